@@ -1,0 +1,175 @@
+"""Workloads: a model, its inputs and an optional loss, built the same way for every target.
+
+``precisiondiff capture|bisect WORKLOAD`` takes ``path/to/file.py:fn`` or ``package.module:fn``.
+``fn()`` takes no required argument and returns :class:`Workload` (or ``(model, inputs)``).
+Every RNG is seeded before ``fn`` runs, so the weights and inputs are identical for every
+target; the model is built once on the CPU in float32 and a copy is moved to each target.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from .errors import WorkloadError
+from .targets import Target
+
+__all__ = ["Workload", "load_workload", "seed_everything", "call_model", "RunResult", "run_workload"]
+
+
+@dataclass
+class Workload:
+    """What to run: ``model(inputs)``, then ``loss(output).backward()`` when a loss is given.
+
+    Attributes:
+        model: an ``nn.Module`` built on the CPU in float32.
+        inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
+        loss: a callable on the model's output returning a scalar; enables the backward pass.
+        train: keep training mode (dropout active). Off by default: eval mode makes random ops
+            deterministic so two targets cannot differ by their RNG streams.
+
+    Example:
+        >>> Workload(torch.nn.Linear(4, 2), torch.randn(3, 4), loss=lambda y: y.sum())
+    """
+
+    model: torch.nn.Module
+    inputs: Any
+    loss: Optional[Callable[[Any], torch.Tensor]] = None
+    train: bool = False
+    name: str = field(default="workload")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's RNGs (every device torch knows)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _load_module(module_part: str) -> Any:
+    if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
+        path = os.path.abspath(module_part)
+        if not os.path.isfile(path):
+            raise WorkloadError(f"workload file not found: {module_part}")
+        digest = hashlib.sha1(path.encode()).hexdigest()[:10]
+        name = f"_precisiondiff_workload_{digest}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise WorkloadError(f"cannot import {module_part}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        directory = os.path.dirname(path)
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # user code: report it, not as our bug
+            raise WorkloadError(f"importing {module_part} failed: {type(err).__name__}: {err}") from err
+        return module
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as err:
+        raise WorkloadError(f"workload module {module_part!r} not found ({err}); pass "
+                            "path/to/file.py:fn or an importable package.module:fn") from err
+    except Exception as err:
+        raise WorkloadError(f"importing {module_part} failed: {type(err).__name__}: {err}") from err
+
+
+def load_workload(spec: "str | Callable[[], Any] | Workload", *, seed: int = 0) -> Workload:
+    """Seed every RNG, then build the workload from ``file.py:fn`` or ``package.module:fn``.
+
+    Args:
+        spec: the spec string, a factory callable, or a ready :class:`Workload`.
+        seed: the seed applied before the factory runs.
+
+    Returns:
+        The workload, on the CPU in float32.
+
+    Raises:
+        WorkloadError: the file, module or function is missing, or it returns the wrong thing.
+
+    Example:
+        >>> w = load_workload("examples/tiny_transformer.py:build")
+    """
+    if isinstance(spec, Workload):
+        return spec
+    label = getattr(spec, "__name__", "workload")
+    if isinstance(spec, str):
+        module_part, sep, fn_name = spec.rpartition(":")
+        if not sep or not module_part or not fn_name:
+            raise WorkloadError(f"workload {spec!r} must be path/to/file.py:fn or package.module:fn")
+        module = _load_module(module_part)
+        factory = getattr(module, fn_name, None)
+        if not callable(factory):
+            names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+            raise WorkloadError(f"{module_part} has no function {fn_name!r}; callables there: "
+                                f"{', '.join(names[:12]) or 'none'}")
+        label = spec
+    elif callable(spec):
+        factory = spec
+    else:
+        raise WorkloadError(f"a workload must be a spec string, a factory or a Workload, not {type(spec).__name__}")
+    seed_everything(seed)
+    try:
+        built = factory()
+    except TypeError as err:
+        raise WorkloadError(f"{label}() failed: {err} (the function must take no required argument)") from err
+    except Exception as err:
+        raise WorkloadError(f"{label}() raised {type(err).__name__}: {err}") from err
+    if isinstance(built, tuple) and len(built) == 2 and not isinstance(built, Workload):
+        built = Workload(*built)
+    if not isinstance(built, Workload):
+        raise WorkloadError(f"{label}() returned {type(built).__name__}; it must return "
+                            "precisiondiff.Workload(model, inputs, loss=None) or (model, inputs)")
+    if not isinstance(built.model, torch.nn.Module):
+        raise WorkloadError(f"{label}(): the model is a {type(built.model).__name__}, not a torch.nn.Module")
+    built.name = label
+    return built
+
+
+def call_model(model: Callable[..., Any], inputs: Any) -> Any:
+    """Call ``model`` with a tensor, a tuple of positional arguments or a dict of kwargs."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+@dataclass
+class RunResult:
+    """The model and inputs as placed on a target, and what one step produced."""
+
+    model: torch.nn.Module
+    inputs: Any
+    output: Any
+    loss: Optional[torch.Tensor]
+
+
+def run_workload(workload: Workload, target: Target, *, model: Optional[torch.nn.Module] = None,
+                 inputs: Any = None, backward: bool = True) -> RunResult:
+    """Run one step of ``workload`` on ``target``: forward, then loss and backward if any.
+
+    ``model``/``inputs`` reuse an already prepared copy (hooks may be attached to it).
+    """
+    if model is None:
+        model = target.prepare_model(workload.model)
+        model.train(workload.train)
+    if inputs is None:
+        inputs = target.prepare_inputs(workload.inputs)
+    loss = None
+    with target.context():
+        output = call_model(model, inputs)
+        if workload.loss is not None and backward:
+            loss = workload.loss(output)
+    if loss is not None:
+        loss.backward()
+    return RunResult(model, inputs, output, loss)
