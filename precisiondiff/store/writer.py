@@ -1,0 +1,512 @@
+"""Writing a dump: :class:`DumpWriter`, asynchronous, atomic and crash-tolerant.
+
+The caller hands events and host tensors to :meth:`DumpWriter.write_event`, which only
+queues them (a queue bounded by the bytes of pending tensors applies back-pressure). One
+writer thread groups tensors into shards, writes each shard under a temporary name, fsyncs
+it and renames it into place, then appends the index lines whose tensors are now on disk.
+So at every instant the directory holds a readable dump: every index line refers to data
+that is fully written, and a killed run leaves a partial dump that says so
+(``meta.json`` has ``"complete": false``).
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import datetime
+import errno
+import functools
+import logging
+import os
+import queue
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Union
+
+import torch
+
+from ..errors import DumpError, PrecisionDiffError
+from .schema import (FORMAT_VERSION, FORMATS, H5_FILE, INDEX, META, SUPPORTED_DTYPES,
+                     canonical_event, dtype_name, encode_line, is_shard_name, shard_name)
+
+__all__ = ["DumpWriter", "write_json_atomic", "h5_dataset_name"]
+
+log = logging.getLogger(__name__)
+
+_MiB = 1 << 20
+_BATCH = 1024  # queue items handled before the index is appended (one fsync per batch)
+
+
+def write_json_atomic(path: Union[str, Path], obj: Mapping[str, Any]) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically: temporary file, fsync, rename.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    data = (encode_line(obj) + "\n").encode()
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def h5_dataset_name(data_key: str) -> str:
+    """Return the flat HDF5 dataset name of ``data_key`` ("%" → "%25", "/" → "%2F").
+
+    Example:
+        >>> h5_dataset_name("blocks.0/aten.mm.default#0:forward:output.0")
+        'blocks.0%2Faten.mm.default#0:forward:output.0'
+    """
+    name = data_key.replace("%", "%25").replace("/", "%2F")
+    return "%2E" if name == "." else name
+
+
+def _unlink_quietly(path: Union[str, Path]) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (best effort: not every platform allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Union[str, Path]) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _save_safetensors(tensors: Dict[str, torch.Tensor], path: str) -> None:
+    """Write one shard file (a module function so tests can simulate a full disk)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _dump_files(path: Path) -> List[Path]:
+    """The files in ``path`` that belong to a dump (including leftovers of a crash)."""
+    found = []
+    for p in path.iterdir():
+        base = p.name[:-4] if p.name.endswith(".tmp") else p.name
+        if base in (META, INDEX, H5_FILE) or is_shard_name(base):
+            found.append(p)
+    return found
+
+
+def _prepare_dir(path: Path, overwrite: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise DumpError(f"cannot create dump directory {path}: a file with that name exists; "
+                        "choose another output path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DumpError(f"cannot create dump directory {path}: {err.strerror or err}; "
+                        "choose a writable output path") from err
+    existing = _dump_files(path)
+    if existing and not overwrite:
+        raise DumpError(f"{path} already holds a dump; choose another output path or "
+                        "overwrite it (--overwrite / overwrite=True)")
+    for p in existing:
+        try:
+            p.unlink()
+        except OSError as err:
+            raise DumpError(f"cannot overwrite the dump in {path}: {err.strerror or err}; "
+                            "check its permissions or choose another output path") from err
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise DumpError(f"cannot write to dump directory {path}: permission denied; "
+                        "choose a writable output path")
+
+
+class DumpWriter:
+    """Write a dump directory asynchronously.
+
+    Args:
+        path: the dump directory (created). With ``meta["world_size"] > 1`` the dump goes to
+            ``path/rank{N}`` with ``N = meta["rank"]``.
+        format: ``"safetensors"`` (shards, default) or ``"h5"`` (one ``data.h5``).
+        meta: what the capture knows (target, versions, host, argv, seed, rank, world_size...);
+            ``format_version``, ``format``, ``complete`` and ``created`` are added.
+        shard_bytes: a shard is written when its tensors reach this size.
+        queue_bytes: bytes of tensors waiting for the writer thread before ``write_event``
+            blocks. Host memory held by the writer stays below ``queue_bytes + shard_bytes``
+            (plus one oversized tensor).
+        overwrite: replace a dump already in the directory instead of refusing.
+
+    Raises:
+        DumpError: the directory cannot be created or written, or already holds a dump.
+
+    Example:
+        >>> with DumpWriter(tmp / "run", meta={"target": "cpu/bf16"}) as w:  # doctest: +SKIP
+        ...     w.write_event(event, {key: tensor})
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], *, format: str = "safetensors",
+                 meta: Optional[Mapping[str, Any]] = None, shard_bytes: int = 256 * _MiB,
+                 queue_bytes: int = 512 * _MiB, overwrite: bool = False) -> None:
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+        if shard_bytes <= 0 or queue_bytes <= 0:
+            raise ValueError("shard_bytes and queue_bytes must be positive")
+        meta = dict(meta or {})
+        self.format = format
+        self.root = Path(path)
+        self.rank = int(meta.get("rank") or 0)
+        world_size = int(meta.get("world_size") or 1)
+        self.path = self.root / f"rank{self.rank}" if world_size > 1 else self.root
+        self._shard_bytes = int(shard_bytes)
+        self._queue_bytes = int(queue_bytes)
+
+        _prepare_dir(self.path, overwrite)
+        self._meta = dict(meta, format_version=FORMAT_VERSION, format=format,
+                          complete=False, created=_now())
+        try:
+            write_json_atomic(self.path / META, self._meta)
+            self._index = open(self.path / INDEX, "ab")
+            self._h5 = self._open_h5() if format == "h5" else None
+        except OSError as err:
+            raise DumpError(f"cannot write dump {self.path}: {err.strerror or err}; "
+                            "choose a writable output path with free space") from err
+
+        # caller side (guarded by _cond)
+        self._cond = threading.Condition()
+        self._pending_bytes = 0
+        self._submitted: Set[str] = set()
+        self._closed = False
+        self._error: Optional[BaseException] = None
+        self._next_seq = 0
+        # writer thread side
+        self._queue: "queue.Queue[tuple]" = queue.Queue()
+        self._buf: Dict[str, torch.Tensor] = {}
+        self._buf_bytes = 0
+        self._buf_ptrs: Set[int] = set()
+        self._where: Dict[str, str] = {}  # data_key -> file holding it, once on disk
+        self._waiting: Deque[Dict[str, Any]] = collections.deque()
+        self._shard_no = 0
+        self._events = 0
+        self._tensors = 0
+        self._bytes = 0
+
+        self._thread = threading.Thread(target=self._run, name="precisiondiff-dump-writer",
+                                        daemon=True)
+        self._thread.start()
+        # a script that never closes its writer still leaves a readable (partial) dump
+        self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._atexit)
+
+    # -- caller side ---------------------------------------------------------------------
+
+    @property
+    def events_written(self) -> int:
+        """Events whose index line is on disk."""
+        return self._events
+
+    def write_event(self, event: Mapping[str, Any], data: Mapping[str, torch.Tensor]) -> None:
+        """Queue one event and the tensors it stores; returns at once unless the queue is full.
+
+        The writer takes ownership of ``event`` and of the tensors: do not modify them later.
+
+        Args:
+            event: the JSON-ready event (fields of :class:`~precisiondiff.store.Event`); each
+                of its ``tensors`` is a dict with key, slot, dtype, shape, stats, data_key.
+                ``seq`` defaults to the submission order, ``rank`` to ``meta["rank"]``.
+            data: data_key → CPU tensor to store. Records whose data_key was written by an
+                earlier event (aliases) need no entry; in stats mode ``data`` is empty.
+
+        Raises:
+            DumpError: an earlier write failed (disk full...) or a tensor's dtype cannot be
+                stored.
+            ValueError: the writer is closed, or a record names a data_key never written.
+        """
+        nbytes = 0
+        for key, t in data.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"data[{key!r}] is a {type(t).__name__}, not a tensor")
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise DumpError(f"cannot store tensor {key} of dtype {dtype_name(t.dtype)} in a "
+                                "dump; exclude it (--scope/--op) or capture with --mode stats")
+            nbytes += t.numel() * t.element_size()
+        with self._cond:
+            self._check_open()
+            for rec in event.get("tensors") or ():
+                dk = rec.get("data_key")
+                if dk is not None and dk not in data and dk not in self._submitted:
+                    raise ValueError(f"record {rec.get('key')!r} points at data_key {dk!r}, "
+                                     "which no event has written")
+            while (self._pending_bytes > 0 and self._error is None
+                   and self._pending_bytes + nbytes > self._queue_bytes):
+                self._cond.wait()
+            self._raise_if_failed()
+            self._pending_bytes += nbytes
+            self._submitted.update(data)
+            seq = self._next_seq
+            self._next_seq += 1
+            self._queue.put(("event", event, dict(data), nbytes, seq))
+
+    def flush(self) -> None:
+        """Write the partial shard and every pending index line; wait until on disk.
+
+        Raises:
+            DumpError: a write failed (disk full...).
+        """
+        with self._cond:
+            self._check_open()
+            done = threading.Event()
+            self._queue.put(("flush", done))
+        done.wait()
+        with self._cond:
+            self._raise_if_failed()
+
+    def close(self, complete: bool = True) -> None:
+        """Flush, stop the writer thread and finalize ``meta.json``.
+
+        ``meta.json`` gets ``complete`` (False when a write failed) and the counts
+        ``events``, ``tensors`` (records) and ``bytes`` (tensor data stored). Closing twice
+        does nothing.
+
+        Args:
+            complete: whether the capture ran to its end.
+
+        Raises:
+            DumpError: a write failed; what was written before stays readable.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            done = threading.Event()
+            self._queue.put(("stop", done))
+        done.wait()
+        self._thread.join()
+        atexit.unregister(self._atexit)
+        for fh in (self._index, self._h5):
+            try:
+                if fh is not None:
+                    fh.close()
+            except (OSError, RuntimeError, ValueError) as err:  # pragma: no cover
+                log.warning("closing %s: %s", self.path, err)
+        failed = self._error is not None
+        meta = dict(self._meta, complete=bool(complete) and not failed, events=self._events,
+                    tensors=self._tensors, bytes=self._bytes, closed=_now())
+        try:
+            write_json_atomic(self.path / META, meta)
+            self._meta = meta
+        except OSError as err:
+            if not failed:
+                raise DumpError(f"cannot finalize {self.path / META}: {err.strerror or err}; "
+                                "free space and capture again") from err
+            log.warning("cannot finalize %s after a failed write: %s", self.path / META, err)
+        if failed:
+            self._raise_if_failed()
+
+    def __enter__(self) -> "DumpWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close(complete=False)
+        except PrecisionDiffError as err:  # do not hide the exception already propagating
+            log.error("%s", err)
+
+    def _check_open(self) -> None:
+        self._raise_if_failed()
+        if self._closed:
+            raise ValueError(f"DumpWriter for {self.path} is closed")
+
+    def _raise_if_failed(self) -> None:
+        err = self._error
+        if err is None:
+            return
+        if isinstance(err, OSError):
+            reason = f"[Errno {err.errno}] {err.strerror}" if err.errno else str(err)
+            if err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+                raise DumpError(f"disk full while writing {self.path}: kept {self._events} events "
+                                f"already written ({reason}); free space and capture again"
+                                ) from err
+            raise DumpError(f"cannot write dump {self.path} ({reason}): kept {self._events} "
+                            "events already written; check the disk and permissions, then "
+                            "capture again") from err
+        raise RuntimeError(f"the dump writer thread failed: {err!r}") from err
+
+    # -- writer thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            while len(batch) < _BATCH and batch[-1][0] == "event":
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in batch:
+                kind = item[0]
+                try:
+                    if self._error is None:
+                        if kind == "event":
+                            self._add_event(item[1], item[2], item[4])
+                        else:
+                            self._write_shard()
+                            self._append_ready()
+                except Exception as err:  # captured; raised on the caller's next call
+                    self._fail(err)
+                finally:
+                    if kind == "event":
+                        with self._cond:
+                            self._pending_bytes -= item[3]
+                            self._cond.notify_all()
+                    else:
+                        stop = stop or kind == "stop"
+                        item[1].set()
+            if self._error is None:
+                try:
+                    self._append_ready()
+                except Exception as err:
+                    self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        log.error("dump writer for %s stopped: %s", self.path, err)
+        with self._cond:
+            self._error = err
+            self._buf.clear()
+            self._cond.notify_all()
+
+    def _add_event(self, event: Mapping[str, Any], data: Dict[str, torch.Tensor],
+                   seq: int) -> None:
+        for key, t in data.items():
+            if key in self._where or key in self._buf:
+                continue  # stored once
+            t = self._own(t)
+            self._buf[key] = t
+            self._buf_bytes += t.numel() * t.element_size()
+        line = canonical_event(event)
+        if line["seq"] is None:
+            line["seq"] = seq
+        for field, default in (("step", 0), ("rank", self.rank), ("call", 0), ("device", "")):
+            if line[field] is None:
+                line[field] = default
+        self._waiting.append(line)
+        if self._buf_bytes >= self._shard_bytes:
+            self._write_shard()
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU, contiguous tensor that shares storage with no other tensor of the shard."""
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        if not t.is_contiguous():
+            return t.contiguous()
+        if self.format == "safetensors" and t.numel() > 0:
+            ptr = t.untyped_storage().data_ptr()
+            if (t.storage_offset() != 0 or ptr in self._buf_ptrs
+                    or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+                t = t.clone()
+                ptr = t.untyped_storage().data_ptr()
+            self._buf_ptrs.add(ptr)
+        return t
+
+    def _write_shard(self) -> None:
+        if not self._buf:
+            return
+        if self.format == "safetensors":
+            name = shard_name(self._shard_no)
+            final = self.path / name
+            tmp = self.path / (name + ".tmp")
+            try:
+                _save_safetensors(self._buf, str(tmp))
+                _fsync_file(tmp)
+                os.replace(tmp, final)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            _fsync_dir(self.path)
+            self._shard_no += 1
+        else:
+            name = H5_FILE
+            self._write_h5(self._buf)
+        for key in self._buf:
+            self._where[key] = name
+        self._bytes += self._buf_bytes
+        self._buf = {}
+        self._buf_bytes = 0
+        self._buf_ptrs = set()
+
+    def _append_ready(self) -> None:
+        """Append the index lines of the leading events whose tensors are all on disk."""
+        lines = []
+        records = 0
+        while self._waiting:
+            line = self._waiting[0]
+            keys = [r["data_key"] for r in line["tensors"] if r["data_key"] is not None]
+            if any(k not in self._where for k in keys):
+                break
+            self._waiting.popleft()
+            for r in line["tensors"]:
+                if r["data_key"] is not None:
+                    r["shard"] = self._where[r["data_key"]]
+            lines.append(encode_line(line) + "\n")
+            records += len(line["tensors"])
+        if not lines:
+            return
+        self._index.write("".join(lines).encode())
+        self._index.flush()
+        os.fsync(self._index.fileno())
+        self._events += len(lines)
+        self._tensors += records
+
+    # -- h5 --------------------------------------------------------------------------------
+
+    def _open_h5(self) -> Any:
+        import h5py
+
+        return h5py.File(self.path / H5_FILE, "w")
+
+    def _write_h5(self, tensors: Dict[str, torch.Tensor]) -> None:
+        from .h5 import to_numpy
+
+        for key, t in tensors.items():
+            array, dtype = to_numpy(t)
+            ds = self._h5.create_dataset(h5_dataset_name(key), data=array)
+            ds.attrs["dtype"] = dtype
+            ds.attrs["key"] = key
+        self._h5.flush()
+        try:
+            os.fsync(self._h5.id.get_vfd_handle())
+        except (OSError, TypeError, ValueError):  # pragma: no cover - driver without an fd
+            pass
+
+
+def _close_at_exit(ref: "weakref.ref[DumpWriter]") -> None:
+    writer = ref()
+    if writer is None or writer._closed:
+        return
+    log.warning("dump %s was not closed; closing it as incomplete", writer.path)
+    try:
+        writer.close(complete=False)
+    except Exception as err:  # noqa: BLE001 - interpreter exit: report, never raise
+        log.error("closing dump %s at exit: %s", writer.path, err)
