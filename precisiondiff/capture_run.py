@@ -1,0 +1,92 @@
+"""Capture a workload or a script on a target: what ``precisiondiff capture`` runs."""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+from .errors import PrecisionDiffError, WorkloadError
+from .hooks import capture
+from .hooks.filters import parse_selection
+from .targets import Target, default_dut
+from .workload import load_workload, run_workload
+
+__all__ = ["capture_workload", "capture_script"]
+
+
+def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
+                     level: str = "all", mode: str = "stats", format: str = "safetensors",
+                     seed: int = 0, steps: Optional[str] = None, train: bool = False, repeat: int = 1,
+                     overwrite: bool = False, **filters) -> str:
+    """Build the workload (seeded), move it to ``target``, run and capture it.
+
+    Steps after the first rerun the same forward/backward (gradients zeroed), which is how
+    run-to-run determinism is observed within one dump. With ``repeat > 1`` the whole capture is
+    done ``repeat`` times into ``out/run0``... for ``precisiondiff compare`` to measure noise.
+
+    Returns:
+        A one-paragraph summary for the terminal.
+
+    Raises:
+        PrecisionDiffError: bad workload, target or output directory; disk full.
+    """
+    tgt = Target.parse(target) if target else default_dut()
+    tgt.check_available()
+    selection = parse_selection(steps if steps is not None else "0")
+    n_steps = (max(selection) + 1) if selection else 1
+    workload = load_workload(spec, seed=seed)
+    lines = []
+    for run in range(repeat):
+        path = os.path.join(out, f"run{run}") if repeat > 1 else out
+        model = tgt.prepare_model(workload.model)
+        model.train(train or workload.train)
+        inputs = tgt.prepare_inputs(workload.inputs)
+        meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
+                "backward": workload.loss is not None, "repeat": run}
+        with capture(path, model=model, level=level, mode=mode, format=format,
+                     steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
+                     **filters) as cap:
+            for _ in range(n_steps):
+                result = run_workload(workload, tgt, model=model, inputs=inputs)
+                tgt.synchronize()
+                cap.step()
+                model.zero_grad(set_to_none=True)
+        written = cap.recorder.events_written
+        loss = f", loss {result.loss.item():.6g}" if result.loss is not None else ""
+        lines.append(f"captured {written} events of {spec} on {tgt} ({level}/{mode}{loss}) into {path}")
+    return "\n".join(lines)
+
+
+def capture_script(script: str, args: List[str], out: "str | os.PathLike", *, level: str = "all",
+                   mode: str = "stats", format: str = "safetensors", steps: Optional[str] = None,
+                   seed: int = 0, overwrite: bool = False, **filters) -> str:
+    """Run an unmodified script as ``__main__`` under global capture hooks.
+
+    Each ``optimizer.step()`` ends a capture step. The script chooses its own devices.
+    """
+    if not os.path.isfile(script):
+        raise WorkloadError(f"script not found: {script}")
+    from .workload import seed_everything
+    seed_everything(seed)
+    meta = {"target": "script", "seed": seed, "workload": f"--script {script}", "script_args": args}
+    saved_argv = sys.argv[:]
+    sys.argv = [script, *args]
+    code = 0
+    try:
+        with capture(out, model=None, level=level, mode=mode, format=format, steps=steps, meta=meta,
+                     overwrite=overwrite, **filters) as cap:
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except PrecisionDiffError:
+                raise
+            except Exception as err:
+                raise WorkloadError(f"{script} raised {type(err).__name__}: {err} "
+                                    f"(events recorded so far are kept in {out})") from err
+    finally:
+        sys.argv = saved_argv
+    if code:
+        raise WorkloadError(f"{script} exited with status {code}; the dump in {out} is kept")
+    return f"captured {cap.recorder.events_written} events of {script} ({level}/{mode}) into {out}"

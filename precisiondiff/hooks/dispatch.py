@@ -1,0 +1,78 @@
+"""Operator-level capture: every ATen and custom op through a ``TorchDispatchMode``.
+
+Custom ops registered with ``torch.library`` (the way vendor fused kernels are exposed) reach the
+mode as one op, so a fused kernel is recorded as itself, not as the ATen ops inside it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .serialize import encode_args, flatten_tensors, is_replayable
+
+if TYPE_CHECKING:
+    from .session import CaptureSession
+
+__all__ = ["OpCaptureMode", "in_backward"]
+
+# Ops that only move metadata or read a value: never recorded.
+_ALWAYS_SKIP = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_scalar_dense.default",
+                "aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
+                "aten.is_same_size.default", "aten.set_.source_Storage_storage_offset"}
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    getter = getattr(torch._C, "_current_graph_task_id", None)
+    return getter is not None and getter() != -1
+
+
+class OpCaptureMode(TorchDispatchMode):
+    """Records each op call, inputs before it runs (in-place ops mutate them) and outputs after."""
+
+    def __init__(self, session: "CaptureSession") -> None:
+        super().__init__()
+        self.session = session
+        self._names: Dict[Any, str] = {}
+
+    def _name(self, func: Any) -> str:
+        name = self._names.get(func)
+        if name is None:
+            name = str(func)
+            if name in _ALWAYS_SKIP or (not self.session.filter.views and getattr(func, "is_view", False)):
+                name = ""
+            elif not self.session.filter.want_op(name):
+                name = ""
+            self._names[func] = name
+        return name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        session = self.session
+        if session.paused or not session.recording:
+            return func(*args, **kwargs)
+        name = self._name(func)
+        scope = session.current_scope()
+        if not name or not session.filter.want_scope(scope):
+            return func(*args, **kwargs)
+        rec = session.recorder
+        direction = "backward" if in_backward() else "forward"
+        event = rec.begin("op", scope, name, direction)
+        inputs = flatten_tensors((args, kwargs))
+        with torch.no_grad():
+            for i, t in enumerate(inputs):
+                if id(t) not in event.slots:
+                    rec.add(event, f"input.{i}", t)
+        out = func(*args, **kwargs)
+        with torch.no_grad():
+            for i, t in enumerate(flatten_tensors(out)):
+                rec.add(event, f"output.{i}", t, store=True)
+        encoded = None
+        if rec.mode == "replay":
+            encoded = {"args": encode_args(list(args), lambda t: rec.slot_of(event, t)),
+                       "kwargs": encode_args(dict(kwargs), lambda t: rec.slot_of(event, t))}
+            encoded["replayable"] = is_replayable(encoded)
+        rec.finish(event, args=encoded)
+        return out

@@ -1,0 +1,215 @@
+"""Builds events: call numbering, tensor keys, de-duplication, batched statistics, copies.
+
+A :class:`Recorder` turns "module X ran with these tensors" into event records and hands them,
+with the tensor data to persist, to a sink (a dump writer or an in-memory list). Events are
+held until their statistics are read back in one batch, then emitted in execution order.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from ..targets import dtype_name  # noqa: F401  (re-exported for hook modules)
+from .stats import StatsBatch
+
+__all__ = ["Sink", "MemorySink", "Recorder", "PendingEvent", "make_key", "MODES"]
+
+MODES = ("stats", "tensors", "replay")
+
+
+def make_key(scope: str, name: str, call: int, direction: str, slot: str, step: Optional[int] = None) -> str:
+    """``{scope}/{name}#{call}:{direction}:{slot}``, prefixed ``step{N}/`` for multi-step dumps."""
+    prefix = f"step{step}/" if step is not None else ""
+    return f"{prefix}{scope}/{name}#{call}:{direction}:{slot}"
+
+
+class Sink(Protocol):
+    """Where finished events go."""
+
+    def write_event(self, event: dict, data: Dict[str, torch.Tensor]) -> None: ...
+
+    def close(self, complete: bool = True) -> None: ...
+
+
+class MemorySink:
+    """Keeps events and tensor data in memory (bisect, tests)."""
+
+    def __init__(self) -> None:
+        self.events: List[dict] = []
+        self.data: Dict[str, torch.Tensor] = {}
+        self.complete: Optional[bool] = None
+
+    def write_event(self, event: dict, data: Dict[str, torch.Tensor]) -> None:
+        self.events.append(event)
+        self.data.update(data)
+
+    def close(self, complete: bool = True) -> None:
+        self.complete = complete
+
+    def tensor(self, record: dict) -> torch.Tensor:
+        """The stored data of a tensor record (aliases resolved)."""
+        return self.data[record["data_key"]]
+
+
+@dataclass
+class PendingEvent:
+    """An event being recorded; finished by :meth:`Recorder.finish`."""
+
+    kind: str
+    scope: str
+    name: str
+    direction: str
+    call: int
+    step: int
+    tensors: List[Tuple[dict, int]] = field(default_factory=list)
+    slots: Dict[int, str] = field(default_factory=dict)
+    device: Optional[str] = None
+    output_seen: bool = False
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = -1
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        ptr = id(t)
+    return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, version)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format)
+    try:
+        # Non-blocking into pinned memory; the batched stats read-back orders it before use.
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+    except RuntimeError:
+        return t.to("cpu")
+
+
+class Recorder:
+    """Numbering, keys, de-duplication and batching for one capture.
+
+    Args:
+        sink: receives finished events.
+        mode: ``stats``, ``tensors`` or ``replay``.
+        multi_step: prefix tensor keys with ``step{N}/``.
+        rank: this process's rank.
+        batch_events: events held before their statistics are read back at once.
+        dedup_window: recently recorded tensors kept alive so their storage cannot be reused
+            by another tensor that would then be mistaken for them.
+    """
+
+    def __init__(self, sink: Sink, *, mode: str = "stats", multi_step: bool = False, rank: int = 0,
+                 batch_events: int = 512, dedup_window: int = 1024) -> None:
+        self.sink, self.mode, self.multi_step, self.rank = sink, mode, multi_step, rank
+        self.batch_events, self.dedup_window = batch_events, dedup_window
+        self.step = 0
+        self.seq = 0
+        self.events_written = 0
+        self._calls: collections.Counter = collections.Counter()
+        self._stats = StatsBatch()
+        self._pending: List[PendingEvent] = []
+        # Host copies not yet handed to the sink. The first emitted event that references a copy
+        # carries it: a module's inputs are recorded when it starts but it finishes (and is
+        # numbered) after the ops inside it, which may reference the same tensors.
+        self._data: Dict[str, torch.Tensor] = {}
+        self._seen: "collections.OrderedDict[tuple, Tuple[torch.Tensor, Optional[str], int]]" = collections.OrderedDict()
+
+    @property
+    def stores_data(self) -> bool:
+        return self.mode in ("tensors", "replay")
+
+    def begin(self, kind: str, scope: str, name: str, direction: str) -> PendingEvent:
+        """Start an event: its call number is fixed now."""
+        ident = (kind, scope, name, direction)
+        call = self._calls[ident]
+        self._calls[ident] += 1
+        return PendingEvent(kind, scope, name, direction, call, self.step)
+
+    def add(self, event: PendingEvent, slot: str, t: torch.Tensor, *, store: bool = True) -> None:
+        """Record tensor ``t`` under ``slot`` (``input.0``, ``output.0``, ``param.weight``...)."""
+        step = self.step if self.multi_step else None
+        key = make_key(event.scope, event.name, event.call, event.direction, slot, step)
+        ident = _identity(t)
+        seen = self._seen.get(ident)
+        if seen is not None:
+            self._seen.move_to_end(ident)
+            _, data_key, handle = seen
+            if data_key is None and store and self.stores_data:
+                data_key = key
+                self._data[key] = _host_copy(t)
+                self._seen[ident] = (t, data_key, handle)
+        else:
+            handle = self._stats.add(t)
+            data_key = None
+            if store and self.stores_data:
+                data_key = key
+                self._data[key] = _host_copy(t)
+            self._seen[ident] = (t, data_key, handle)
+            if len(self._seen) > self.dedup_window:
+                self._seen.popitem(last=False)
+        record = {"key": key, "slot": slot, "dtype": str(t.dtype).removeprefix("torch."),
+                  "shape": list(t.shape), "stats": None, "data_key": data_key}
+        event.tensors.append((record, handle))
+        event.slots[id(t)] = slot
+        if slot.startswith("output") and not event.output_seen:
+            event.device, event.output_seen = str(t.device), True
+        elif event.device is None:
+            event.device = str(t.device)
+
+    def slot_of(self, event: PendingEvent, t: torch.Tensor) -> str:
+        """The slot a tensor of this event was recorded under (for replay arguments)."""
+        return event.slots[id(t)]
+
+    def finish(self, event: PendingEvent, *, args: Any = None) -> None:
+        """Close an event; it is emitted at the next batch read-back."""
+        if not event.tensors:
+            return
+        event.seq = self.seq  # type: ignore[attr-defined]
+        self.seq += 1
+        event.args = args  # type: ignore[attr-defined]
+        self._pending.append(event)
+        if len(self._pending) >= self.batch_events:
+            self.flush()
+
+    def flush(self) -> None:
+        """Read back all queued statistics at once and emit pending events in order."""
+        if not self._pending:
+            return
+        self._stats.resolve()
+        pending, self._pending = self._pending, []
+        for ev in pending:
+            tensors, data = [], {}
+            for record, handle in ev.tensors:
+                record["stats"] = self._stats.get(handle)
+                tensors.append(record)
+                copy = self._data.pop(record["data_key"], None) if record["data_key"] else None
+                if copy is not None:
+                    data[record["data_key"]] = copy
+            out = {"seq": ev.seq, "step": ev.step, "rank": self.rank, "kind": ev.kind,
+                   "scope": ev.scope, "name": ev.name, "direction": ev.direction, "call": ev.call,
+                   "device": ev.device, "tensors": tensors, "args": ev.args}
+            self.sink.write_event(out, data)
+            self.events_written += 1
+
+    def end_step(self) -> None:
+        """Flush and start the next step: call numbers restart, de-duplication forgets."""
+        self.flush()
+        self._stats.clear()
+        self._seen.clear()
+        self._data.clear()
+        self._calls.clear()
+        self.step += 1
+
+    def tensors_of(self, values: Sequence[Any]) -> List[torch.Tensor]:
+        from .serialize import flatten_tensors
+        return flatten_tensors(list(values))

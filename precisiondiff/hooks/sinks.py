@@ -1,0 +1,36 @@
+"""The dump sink: events from a capture into a :class:`~precisiondiff.store.DumpWriter`."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Dict
+
+import torch
+
+__all__ = ["DumpSink", "base_meta"]
+
+
+def base_meta() -> dict:
+    """Provenance every dump records: versions, host, command line."""
+    meta = {"torch": torch.__version__, "host": socket.gethostname(), "argv": list(sys.argv),
+            "pid": os.getpid()}
+    mlu = sys.modules.get("torch_mlu")
+    meta["torch_mlu"] = getattr(mlu, "__version__", None) if mlu else None
+    from .. import __version__
+    meta["precisiondiff"] = __version__
+    return meta
+
+
+class DumpSink:
+    """Writes events and tensors through the store's writer."""
+
+    def __init__(self, path: "str | os.PathLike", *, format: str, meta: dict, overwrite: bool = False) -> None:
+        from ..store import DumpWriter
+        self.writer = DumpWriter(path, format=format, meta={**base_meta(), **meta}, overwrite=overwrite)
+
+    def write_event(self, event: dict, data: Dict[str, torch.Tensor]) -> None:
+        self.writer.write_event(event, data)
+
+    def close(self, complete: bool = True) -> None:
+        self.writer.close(complete=complete)

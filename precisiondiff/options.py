@@ -1,0 +1,60 @@
+"""Options defined once, shared by the CLI and the pytest plugin."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Tuple
+
+import click
+
+__all__ = ["Option", "CAPTURE_OPTIONS", "click_options"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its flag(s), default, help and choices."""
+
+    flags: Tuple[str, ...]
+    default: Any = None
+    help: str = ""
+    choices: Tuple[str, ...] = ()
+    type: Any = str
+    is_flag: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+
+TARGET = Option(("--target", "-t"), None, "device under test, DEVICE[/DTYPE][+autocast]; default: first "
+                "available of mlu, cuda, cpu in bf16")
+REF = Option(("--ref",), "cpu/float64", "reference target (the golden run)")
+LEVEL = Option(("--level",), "all", "record modules, ops, or both", ("module", "op", "all"))
+MODE = Option(("--mode",), "stats", "statistics only, full tensors, or everything needed to replay",
+              ("stats", "tensors", "replay"))
+FORMAT = Option(("--format",), "safetensors", "dump format", ("safetensors", "h5"))
+SEED = Option(("--seed",), 0, "seed applied to every RNG before the workload is built", type=int)
+SCOPE = Option(("--scope",), None, "record only modules whose path matches this regex")
+SCOPE_EXCLUDE = Option(("--scope-exclude",), None, "skip modules whose path matches this regex")
+OP = Option(("--op",), None, "record only ops whose name matches this regex (aten.addmm.default)")
+OP_EXCLUDE = Option(("--op-exclude",), None, "skip ops whose name matches this regex")
+STEPS = Option(("--steps",), None, "steps to record, e.g. 0 or 0,2-4 (default: step 0 of a workload, "
+               "every step of a script)")
+RANKS = Option(("--ranks",), None, "ranks to record, e.g. 0 or 0-3 (default: all)")
+
+CAPTURE_OPTIONS = (TARGET, LEVEL, MODE, FORMAT, SEED, SCOPE, SCOPE_EXCLUDE, OP, OP_EXCLUDE, STEPS, RANKS)
+
+
+def click_options(*options: Option) -> Callable[[Callable], Callable]:
+    """Decorate a click command with the given options."""
+    def decorate(fn: Callable) -> Callable:
+        for opt in reversed(options):
+            kwargs: dict = {"default": opt.default, "help": opt.help, "show_default": opt.default is not None}
+            if opt.choices:
+                kwargs["type"] = click.Choice(opt.choices)
+            elif opt.is_flag:
+                kwargs["is_flag"] = True
+            else:
+                kwargs["type"] = opt.type
+            fn = click.option(*opt.flags, opt.dest, **kwargs)(fn)
+        return fn
+    return decorate
