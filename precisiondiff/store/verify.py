@@ -114,8 +114,9 @@ class _Checker:
         try:
             self.check_index()
         finally:
+            referenced = set(self.files)
             self.close()
-        self.check_orphans()
+        self.check_orphans(referenced)
         self.report.summary = self.counts
 
     def check_index(self) -> None:
@@ -251,8 +252,7 @@ class _Checker:
                 handle.close()
         self.files.clear()
 
-    def check_orphans(self) -> None:
-        referenced: Set[str] = set(self.files)
+    def check_orphans(self, referenced: Set[str]) -> None:
         for p in sorted(self.path.iterdir()):
             if is_shard_name(p.name) and p.name not in referenced:
                 self.report.notes.append(f"{p.name}: not referenced by any index line (written "
