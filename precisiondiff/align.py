@@ -1,0 +1,237 @@
+"""Matching the events of two dumps: :func:`align_events`. Pure Python, no torch.
+
+Rules (see docs/compare.md):
+
+* **module** and **param** events match by ``(step, kind, scope, name, direction, call)``:
+  the same module class at the same path, the n-th call of it in the step.
+* **op** events are grouped by ``(step, direction, scope, segment)``, where *segment* is the
+  number of events of the enclosing module (same scope and direction) that finished before
+  the op: the ops of one module call. Inside a group the op-name sequences are aligned with
+  a longest-matching-block alignment (``difflib.SequenceMatcher``, no junk heuristic), so
+  ops present on one side only (an extra cast, a copy) are left unmatched while the others
+  still pair up. In a replaced stretch (a fused kernel on one side where the other runs
+  three ATen ops) the *last* ops of both stretches are paired as ``"fused"`` when their
+  output shapes agree: the fused kernel's output is the stretch's output.
+* Every event ends up in exactly one place: a pair, or the unmatched list of its side.
+
+Structural checks raise :class:`~precisiondiff.errors.AlignmentError` (different steps,
+different ranks, or different models: too few events match).
+"""
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .errors import AlignmentError
+
+__all__ = ["EventRef", "Pair", "Alignment", "align_events", "check_same_structure"]
+
+# Below this fraction of matched events (on the smaller side) the dumps are declared to hold
+# different models rather than compared into hundreds of meaningless unmatched rows.
+MIN_MATCHED_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class EventRef:
+    """What alignment needs to know about an event (no tensors).
+
+    Attributes:
+        index: position of the event in its dump's event list (0-based).
+        seq: execution order.
+        kind: ``"module"``, ``"op"`` or ``"param"``.
+        scope: module path, ``""`` for the root.
+        name: op name or module class.
+        direction: ``"forward"`` or ``"backward"``.
+        call: n-th call of (scope, name, direction) in the step.
+        step: training step.
+        out_shapes: shapes of the output slots (used to pair fused stretches).
+    """
+
+    index: int
+    seq: int
+    kind: str
+    scope: str
+    name: str
+    direction: str
+    call: int = 0
+    step: int = 0
+    out_shapes: Tuple[Tuple[int, ...], ...] = ()
+
+    @property
+    def ident(self) -> Tuple:
+        """The key module and param events match on."""
+        return (self.step, self.kind, self.scope, self.name, self.direction, self.call)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two matched events, by their indices; ``how`` is ``"exact"`` or ``"fused"``."""
+
+    a: int
+    b: int
+    how: str = "exact"
+
+
+@dataclass
+class Alignment:
+    """The result of :func:`align_events`.
+
+    Attributes:
+        pairs: matched events.
+        unmatched_a: indices of events of A with no partner.
+        unmatched_b: indices of events of B with no partner.
+        order: the merged execution order: ``(a_index | None, b_index | None)`` tuples; every
+            pair and every unmatched event appears once, unmatched B events right after the
+            A event matched to their nearest matched predecessor.
+    """
+
+    pairs: List[Pair] = field(default_factory=list)
+    unmatched_a: List[int] = field(default_factory=list)
+    unmatched_b: List[int] = field(default_factory=list)
+    order: List[Tuple[Optional[int], Optional[int]]] = field(default_factory=list)
+
+
+def _segments(events: Sequence[EventRef]) -> Dict[int, Tuple]:
+    """Group key of each op event: (step, direction, scope, module-call segment)."""
+    finished: Dict[Tuple, int] = defaultdict(int)  # (step, direction, scope) -> module events done
+    groups: Dict[int, Tuple] = {}
+    for ev in sorted(events, key=lambda e: (e.step, e.seq)):
+        where = (ev.step, ev.direction, ev.scope)
+        if ev.kind == "module":
+            finished[where] += 1
+        elif ev.kind == "op":
+            groups[ev.index] = where + (finished[where],)
+    return groups
+
+
+def _align_ops(a_ops: List[EventRef], b_ops: List[EventRef]) -> Tuple[List[Pair], List[int], List[int]]:
+    """Sequence-align two op lists of one group by name."""
+    pairs: List[Pair] = []
+    un_a: List[int] = []
+    un_b: List[int] = []
+    sm = difflib.SequenceMatcher(None, [e.name for e in a_ops], [e.name for e in b_ops],
+                                 autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            pairs.extend(Pair(a_ops[i].index, b_ops[j].index) for i, j in zip(range(i1, i2), range(j1, j2)))
+            continue
+        a_run, b_run = a_ops[i1:i2], b_ops[j1:j2]
+        if tag == "replace" and a_run[-1].out_shapes and a_run[-1].out_shapes == b_run[-1].out_shapes:
+            pairs.append(Pair(a_run[-1].index, b_run[-1].index, "fused"))
+            a_run, b_run = a_run[:-1], b_run[:-1]
+        un_a.extend(e.index for e in a_run)
+        un_b.extend(e.index for e in b_run)
+    return pairs, un_a, un_b
+
+
+def _merge_order(a: Sequence[EventRef], b: Sequence[EventRef], pairs: List[Pair],
+                 un_a: List[int], un_b: List[int]) -> List[Tuple[Optional[int], Optional[int]]]:
+    a_seq = {e.index: (e.step, e.seq) for e in a}
+    partner_of_b = {p.b: p.a for p in pairs}
+    # for each unmatched B event: anchor after the A partner of its closest matched predecessor
+    anchored: Dict[Optional[int], List[int]] = defaultdict(list)
+    last_anchor: Optional[int] = None
+    unmatched_b = set(un_b)
+    for ev in sorted(b, key=lambda e: (e.step, e.seq)):
+        if ev.index in partner_of_b:
+            last_anchor = partner_of_b[ev.index]
+        elif ev.index in unmatched_b:
+            anchored[last_anchor].append(ev.index)
+    partner_of_a = {p.a: p.b for p in pairs}
+    order: List[Tuple[Optional[int], Optional[int]]] = [(None, j) for j in anchored.get(None, [])]
+    for i in sorted(a_seq, key=a_seq.__getitem__):
+        order.append((i, partner_of_a.get(i)))
+        order.extend((None, j) for j in anchored.get(i, []))
+    assert len(order) == len(a) + len(b) - len(pairs), "alignment lost an event"
+    return order
+
+
+def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = True) -> Alignment:
+    """Match the events of two dumps (one rank each).
+
+    Args:
+        a: the events of dump A (the DUT), ``index`` unique.
+        b: the events of dump B (the reference).
+        check: raise when the dumps obviously hold different models.
+
+    Returns:
+        The :class:`Alignment`: every event of A and of B is in exactly one pair or in the
+        unmatched list of its side.
+
+    Raises:
+        AlignmentError: ``check`` and fewer than half of the smaller side's events match.
+
+    Example:
+        >>> ev = lambda i, n: EventRef(i, i, "op", "", n, "forward")
+        >>> al = align_events([ev(0, "aten.mm"), ev(1, "aten.add")], [ev(0, "aten.mm")], check=False)
+        >>> [(p.a, p.b) for p in al.pairs], al.unmatched_a
+        ([(0, 0)], [1])
+    """
+    pairs: List[Pair] = []
+    un_a: List[int] = []
+    un_b: List[int] = []
+    # modules and params: exact identity
+    b_ident: Dict[Tuple, int] = {}
+    for e in b:
+        if e.kind != "op":
+            b_ident.setdefault(e.ident, e.index)
+    used_b = set()
+    for e in a:
+        if e.kind == "op":
+            continue
+        j = b_ident.get(e.ident)
+        if j is not None and j not in used_b:
+            pairs.append(Pair(e.index, j))
+            used_b.add(j)
+        else:
+            un_a.append(e.index)
+    un_b.extend(e.index for e in b if e.kind != "op" and e.index not in used_b)
+    # ops: by group, sequence-aligned
+    seg_a, seg_b = _segments(a), _segments(b)
+    groups: Dict[Tuple, Tuple[List[EventRef], List[EventRef]]] = defaultdict(lambda: ([], []))
+    for e in sorted(a, key=lambda e: (e.step, e.seq)):
+        if e.kind == "op":
+            groups[seg_a[e.index]][0].append(e)
+    for e in sorted(b, key=lambda e: (e.step, e.seq)):
+        if e.kind == "op":
+            groups[seg_b[e.index]][1].append(e)
+    for a_ops, b_ops in groups.values():
+        p, ua, ub = _align_ops(a_ops, b_ops)
+        pairs.extend(p)
+        un_a.extend(ua)
+        un_b.extend(ub)
+    if check:
+        check_same_structure(a, b, pairs)
+    return Alignment(pairs=pairs, unmatched_a=sorted(un_a), unmatched_b=sorted(un_b),
+                     order=_merge_order(a, b, pairs, un_a, un_b))
+
+
+def _describe(e: EventRef) -> str:
+    return f"{e.kind} {e.scope or '(root)'} {e.name} {e.direction} #{e.call}"
+
+
+def check_same_structure(a: Sequence[EventRef], b: Sequence[EventRef], pairs: Iterable[Pair]) -> None:
+    """Raise :class:`AlignmentError` when A and B evidently hold different models or steps.
+
+    Raises:
+        AlignmentError: different training steps, or fewer than ``MIN_MATCHED_FRACTION`` of
+            the smaller side's events matched (naming the first event that differs).
+    """
+    steps_a, steps_b = sorted({e.step for e in a}), sorted({e.step for e in b})
+    if a and b and steps_a != steps_b:
+        raise AlignmentError(f"the dumps hold different training steps: A {steps_a}, B {steps_b}; "
+                             "capture both with the same --steps")
+    pairs = list(pairs)
+    smaller = min(len(a), len(b))
+    if smaller == 0 or len(pairs) >= MIN_MATCHED_FRACTION * smaller:
+        return
+    matched_a = {p.a for p in pairs}
+    matched_b = {p.b for p in pairs}
+    first_a = next((e for e in sorted(a, key=lambda e: (e.step, e.seq)) if e.index not in matched_a), None)
+    first_b = next((e for e in sorted(b, key=lambda e: (e.step, e.seq)) if e.index not in matched_b), None)
+    raise AlignmentError(
+        f"the dumps hold different models: only {len(pairs)} of {smaller} events match "
+        f"(first unmatched: A {_describe(first_a) if first_a else '-'}, "
+        f"B {_describe(first_b) if first_b else '-'}); capture the same workload on both targets")

@@ -1,0 +1,139 @@
+"""Alignment: hypothesis properties on random event sequences, and hand-written cases."""
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from precisiondiff.align import EventRef, align_events
+from precisiondiff.errors import AlignmentError
+
+OPS = ["aten.mm", "aten.add", "aten.mul", "aten.rsqrt", "aten.mean", "aten._to_copy", "aten.gelu"]
+SCOPES = ["", "blocks.0", "blocks.0.attn", "blocks.1"]
+
+
+def _renumber(raw: List[tuple]) -> List[EventRef]:
+    """(kind, scope, name, direction, shape) tuples -> EventRefs with seq and per-key call."""
+    calls: dict = {}
+    out = []
+    for i, (kind, scope, name, direction, shape) in enumerate(raw):
+        k = (scope, name, direction)
+        calls[k] = calls.get(k, -1) + 1
+        out.append(EventRef(i, i, kind, scope, name, direction, calls[k], 0, ((shape,),)[0:1]))
+    return out
+
+
+event = st.tuples(st.sampled_from(["op", "op", "op", "module", "param"]), st.sampled_from(SCOPES),
+                  st.sampled_from(OPS), st.sampled_from(["forward", "backward"]),
+                  st.tuples(st.integers(1, 3)))
+
+
+@st.composite
+def mutated_pair(draw):
+    base = draw(st.lists(event, max_size=40))
+    other = list(base)
+    for _ in range(draw(st.integers(0, 6))):
+        what = draw(st.sampled_from(["insert", "delete", "fuse"]))
+        pos = draw(st.integers(0, len(other)))
+        if what == "insert":
+            other.insert(pos, draw(event))
+        elif what == "delete" and other:
+            del other[min(pos, len(other) - 1)]
+        elif what == "fuse" and len(other) >= 2:
+            n = draw(st.integers(2, 3))
+            run = other[pos:pos + n]
+            if run:
+                kind, scope, _, direction, shape = run[-1]
+                other[pos:pos + n] = [(kind, scope, "mylib.fused", direction, shape)]
+    if draw(st.booleans()):
+        return _renumber(base), _renumber(other)
+    return _renumber(other), _renumber(base)
+
+
+@settings(max_examples=200, deadline=None)
+@given(mutated_pair())
+def test_every_event_matched_or_unmatched_exactly_once(ab):
+    a, b = ab
+    al = align_events(a, b, check=False)
+    a_seen = [p.a for p in al.pairs] + al.unmatched_a
+    b_seen = [p.b for p in al.pairs] + al.unmatched_b
+    assert sorted(a_seen) == [e.index for e in a]
+    assert sorted(b_seen) == [e.index for e in b]
+    # the merged order holds every event once, A in execution order
+    order_a = [i for i, _ in al.order if i is not None]
+    order_b = [j for _, j in al.order if j is not None]
+    assert order_a == [e.index for e in a]
+    assert sorted(order_b) == [e.index for e in b]
+    assert len(al.order) == len(a) + len(b) - len(al.pairs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(event, max_size=40))
+def test_identical_sequences_match_completely(raw):
+    a = _renumber(raw)
+    al = align_events(a, a)
+    assert not al.unmatched_a and not al.unmatched_b
+    assert sorted((p.a, p.b) for p in al.pairs) == [(e.index, e.index) for e in a]
+    assert all(p.how == "exact" for p in al.pairs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(mutated_pair())
+def test_pairs_agree_on_kind_and_scope(ab):
+    a, b = ab
+    al = align_events(a, b, check=False)
+    for p in al.pairs:
+        ea, eb = a[p.a], b[p.b]
+        assert (ea.kind, ea.scope, ea.direction) == (eb.kind, eb.scope, eb.direction)
+        if p.how == "exact":
+            assert ea.name == eb.name
+
+
+def _ops(names, scope="blocks.0", shapes=None):
+    return [EventRef(i, i, "op", scope, n, "forward", 0, 0, (shapes[i],) if shapes else ((4,),))
+            for i, n in enumerate(names)]
+
+
+def test_fused_kernel_pairs_with_the_last_op_of_the_stretch():
+    a = _ops(["aten.mm", "mylib.fused_rms_norm", "aten.add"])
+    b = _ops(["aten.mm", "aten.pow", "aten.mean", "aten.rsqrt", "aten.mul", "aten.add"])
+    al = align_events(a, b)
+    assert {(p.a, p.b, p.how) for p in al.pairs} == {(0, 0, "exact"), (1, 4, "fused"), (2, 5, "exact")}
+    assert al.unmatched_b == [1, 2, 3] and al.unmatched_a == []
+
+
+def test_extra_cast_is_unmatched_and_the_rest_still_pairs():
+    a = _ops(["aten.mm", "aten._to_copy", "aten.add"])
+    b = _ops(["aten.mm", "aten.add"])
+    al = align_events(a, b)
+    assert al.unmatched_a == [1] and al.unmatched_b == []
+    assert al.order == [(0, 0), (1, None), (2, 1)]
+
+
+def test_ops_stay_inside_their_module_call():
+    # two calls of the same module: an extra op in the first call must not shift the second
+    def evs(first):
+        names = first + ["Linear"] + ["aten.addmm"] + ["Linear"]
+        return [EventRef(i, i, "module" if n == "Linear" else "op", "fc", n, "forward",
+                         names[:i].count(n) if n == "Linear" else 0, 0)
+                for i, n in enumerate(names)]
+    a, b = evs(["aten.addmm", "aten.clone"]), evs(["aten.addmm"])
+    al = align_events(a, b)
+    assert al.unmatched_a == [1]
+    assert (3, 2) in {(p.a, p.b) for p in al.pairs}
+
+
+def test_different_models_are_refused():
+    a = _ops(["aten.mm"] * 2 + ["aten.add"] * 8, scope="encoder")
+    b = _ops(["aten.mm"] * 2 + ["aten.add"] * 8, scope="layers.0")
+    with pytest.raises(AlignmentError, match="different models.*encoder.*layers.0"):
+        align_events(a, b)
+
+
+def test_different_steps_are_refused():
+    a = [EventRef(0, 0, "op", "", "aten.mm", "forward", 0, 0)]
+    b = [EventRef(0, 0, "op", "", "aten.mm", "forward", 0, 1)]
+    with pytest.raises(AlignmentError, match=r"different training steps: A \[0\], B \[1\]"):
+        align_events(a, b)
