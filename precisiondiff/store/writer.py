@@ -25,7 +25,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Union
 
 import torch
 
-from ..errors import DumpError, PrecisionDiffError
+from ..errors import DumpError
 from .schema import (FORMAT_VERSION, FORMATS, H5_FILE, INDEX, META, SUPPORTED_DTYPES,
                      canonical_event, dtype_name, encode_line, is_shard_name, shard_name)
 
@@ -330,8 +330,8 @@ class DumpWriter:
             return
         try:
             self.close(complete=False)
-        except PrecisionDiffError as err:  # do not hide the exception already propagating
-            log.error("%s", err)
+        except Exception as err:  # noqa: BLE001 - never hide the exception already propagating
+            log.error("closing dump %s after an error: %s", self.path, err)
 
     def _check_open(self) -> None:
         self._raise_if_failed()
