@@ -95,6 +95,7 @@ class _Checker:
         self.fingerprints = fingerprints
         self.counts = dict(events=0, tensors=0, with_data=0, files=0, checked=0, fingerprints=0)
         self.files: Dict[str, Optional[Any]] = {}  # file name -> open handle, None if broken
+        self.shard_keys: Dict[str, Set[str]] = {}
         # data_key -> (problem text or None, fingerprint of the stored data or None)
         self.checked: Dict[str, Tuple[Optional[str], Optional[str]]] = {}
 
@@ -229,13 +230,19 @@ class _Checker:
 
                 if h5_dataset_name(rec.data_key) not in handle:
                     return f"{rec.shard} has no data {rec.data_key!r}", None
-            elif rec.data_key not in set(handle.keys()):
+            elif rec.data_key not in self.keys_of(rec.shard, handle):
                 return f"{rec.shard} has no data {rec.data_key!r}", None
             t = self.read(rec, handle)  # reads the bytes: catches truncation
         except Exception as err:  # noqa: BLE001 - safetensors/h5py error types vary
             return f"{rec.shard}: data of {rec.data_key!r} unreadable ({err})", None
         self.counts["checked"] += 1
         return None, (fingerprint(t) if self.fingerprints else None)
+
+    def keys_of(self, shard: str, handle: Any) -> Set[str]:
+        keys = self.shard_keys.get(shard)
+        if keys is None:
+            keys = self.shard_keys[shard] = set(handle.keys())
+        return keys
 
     def read(self, rec: Any, handle: Any) -> Any:
         if rec.shard == H5_FILE:

@@ -145,3 +145,15 @@ def test_multi_rank_problems_name_the_rank(tmp_path):
     (problem,) = report.problems
     assert problem.startswith("rank1: shard-00000.safetensors: missing")
     assert report.summary["events"] == 2
+
+
+def test_h5_missing_and_garbage_file(tmp_path):
+    path = _write(tmp_path / "d", "h5")
+    (path / "data.h5").write_bytes(b"not hdf5")
+    report = verify(path)
+    assert not report.ok
+    assert report.problems[0].startswith("data.h5: cannot be opened")
+    (path / "data.h5").unlink()
+    report = verify(path)
+    assert report.problems[0].startswith("data.h5: missing, referenced by index.jsonl line 1")
+    assert len(report.problems) == 3  # one line per record whose data is gone
