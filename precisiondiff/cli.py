@@ -38,8 +38,10 @@ def cli() -> None:
 
 
 def _console():
+    """A rich console; wide when writing to a pipe or a file, so tables do not fold."""
     from rich.console import Console
-    return Console(highlight=False, soft_wrap=False, width=max(120, int(os.environ.get("COLUMNS", 0) or 0)))
+    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", 0) or 200)
+    return Console(highlight=False, soft_wrap=False, width=width)
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})

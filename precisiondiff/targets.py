@@ -15,8 +15,9 @@ import contextlib
 import copy
 import importlib
 import importlib.util
+import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -38,6 +39,9 @@ _SHORT = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
           "double": torch.float64}
 _CANONICAL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
               torch.float64: "float64"}
+
+_DEVICE_RE = re.compile(r"^([a-z_][a-z0-9_]*)(?::(\d+))?$")
+_OUT_OF_TREE = {"mlu", "npu", "hpu", "musa", "gcu", "dcu"}
 
 MLU_INSTALL_HINT = ("torch_mlu is not installed: install Cambricon's PyTorch and torch_mlu "
                     "wheels for your Neuware/CNToolkit release (see docs/mlu.md), then retry")
@@ -135,12 +139,17 @@ class Target:
                               "e.g. cpu/float64 or cuda:0/bf16")
         device, _, dtype_text = spec.partition("/")
         dtype = parse_dtype(dtype_text) if dtype_text else torch.bfloat16
+        match = _DEVICE_RE.match(device)
+        if match is None:
+            raise TargetError(f"malformed device {device!r} in target {text!r}: use cpu, cuda, cuda:N, mlu or mlu:N")
         try:
-            parsed = torch.device(device)
+            torch.device(device)
         except RuntimeError as err:
-            raise TargetError(f"unknown device {device!r} in target {text!r}: use cpu, cuda, "
-                              "cuda:N, mlu or mlu:N") from err
-        return cls(str(parsed), dtype, autocast)
+            # Out-of-tree backends (torch_mlu) register their device type only once imported.
+            if match.group(1) not in _OUT_OF_TREE:
+                raise TargetError(f"unknown device {device!r} in target {text!r}: use cpu, cuda, "
+                                  "cuda:N, mlu or mlu:N") from err
+        return cls(device, dtype, autocast)
 
     def __str__(self) -> str:
         return f"{self.device}/{dtype_name(self.dtype)}" + ("+autocast" if self.autocast else "")
@@ -148,7 +157,13 @@ class Target:
     @property
     def device_type(self) -> str:
         """``cpu``, ``cuda``, ``mlu``..."""
-        return torch.device(self.device).type
+        return self.device.partition(":")[0]
+
+    @property
+    def device_index(self) -> Optional[int]:
+        """The device ordinal, or None when the target names the current device."""
+        index = self.device.partition(":")[2]
+        return int(index) if index else None
 
     def is_available(self) -> bool:
         """Whether this target's device exists on this machine."""
@@ -166,7 +181,7 @@ class Target:
         if not module.is_available():
             raise TargetError(f"target {self}: no {self.device_type} device is available on "
                               "this machine; pick another --target (cpu/bf16 always works)")
-        index = torch.device(self.device).index
+        index = self.device_index
         if index is not None and index >= module.device_count():
             raise TargetError(f"target {self}: device index {index} out of range "
                               f"({module.device_count()} {self.device_type} devices)")

@@ -20,7 +20,23 @@ __all__ = ["OpCaptureMode", "in_backward"]
 # Ops that only move metadata or read a value: never recorded.
 _ALWAYS_SKIP = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_scalar_dense.default",
                 "aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
-                "aten.is_same_size.default", "aten.set_.source_Storage_storage_offset"}
+                "aten.is_same_size.default", "aten.set_.source_Storage_storage_offset",
+                # uninitialized memory: recording it would only record noise
+                "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+                "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
+
+
+# In-place ops whose first argument is overwritten without being read: its old contents (often
+# uninitialized memory) are not an input.
+_OVERWRITES_SELF = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
+                    "aten.normal_.default", "aten.uniform_.default", "aten.bernoulli_.float"}
+
+
+def _overwritten(name: str, args: tuple, kwargs: dict) -> set:
+    ids = {id(v) for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)}
+    if name in _OVERWRITES_SELF and args and isinstance(args[0], torch.Tensor):
+        ids.add(id(args[0]))
+    return ids
 
 
 def in_backward() -> bool:
@@ -61,14 +77,18 @@ class OpCaptureMode(TorchDispatchMode):
         direction = "backward" if in_backward() else "forward"
         event = rec.begin("op", scope, name, direction)
         inputs = flatten_tensors((args, kwargs))
+        skip = _overwritten(name, args, kwargs)
         with torch.no_grad():
             for i, t in enumerate(inputs):
-                if id(t) not in event.slots:
+                if id(t) not in event.slots and id(t) not in skip:
                     rec.add(event, f"input.{i}", t)
         out = func(*args, **kwargs)
+        # An in-place op returns its mutated input; its version counter is bumped only after this
+        # mode returns, so de-duplication would take it for the unmodified tensor.
+        mutated = func._schema.is_mutable
         with torch.no_grad():
             for i, t in enumerate(flatten_tensors(out)):
-                rec.add(event, f"output.{i}", t, store=True)
+                rec.add(event, f"output.{i}", t, fresh=mutated)
         encoded = None
         if rec.mode == "replay":
             encoded = {"args": encode_args(list(args), lambda t: rec.slot_of(event, t)),

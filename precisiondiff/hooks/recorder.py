@@ -101,14 +101,15 @@ class Recorder:
     Args:
         sink: receives finished events.
         mode: ``stats``, ``tensors`` or ``replay``.
-        multi_step: prefix tensor keys with ``step{N}/``.
+        multi_step: prefix tensor keys with ``step{N}/``: True always, False never, None from
+            step 1 on.
         rank: this process's rank.
         batch_events: events held before their statistics are read back at once.
         dedup_window: recently recorded tensors kept alive so their storage cannot be reused
             by another tensor that would then be mistaken for them.
     """
 
-    def __init__(self, sink: Sink, *, mode: str = "stats", multi_step: bool = False, rank: int = 0,
+    def __init__(self, sink: Sink, *, mode: str = "stats", multi_step: Optional[bool] = None, rank: int = 0,
                  batch_events: int = 512, dedup_window: int = 1024) -> None:
         self.sink, self.mode, self.multi_step, self.rank = sink, mode, multi_step, rank
         self.batch_events, self.dedup_window = batch_events, dedup_window
@@ -135,12 +136,18 @@ class Recorder:
         self._calls[ident] += 1
         return PendingEvent(kind, scope, name, direction, call, self.step)
 
-    def add(self, event: PendingEvent, slot: str, t: torch.Tensor, *, store: bool = True) -> None:
-        """Record tensor ``t`` under ``slot`` (``input.0``, ``output.0``, ``param.weight``...)."""
-        step = self.step if self.multi_step else None
+    def add(self, event: PendingEvent, slot: str, t: torch.Tensor, *, store: bool = True,
+            fresh: bool = False) -> None:
+        """Record tensor ``t`` under ``slot`` (``input.0``, ``output.0``, ``param.weight``...).
+
+        ``fresh`` skips de-duplication: the tensor's contents changed without a new identity.
+        """
+        # Keys carry the step when the dump holds several: always for an explicit multi-step
+        # selection; with no selection, from the second step on (a one-step capture stays plain).
+        step = self.step if (self.multi_step is True or (self.multi_step is None and self.step > 0)) else None
         key = make_key(event.scope, event.name, event.call, event.direction, slot, step)
         ident = _identity(t)
-        seen = self._seen.get(ident)
+        seen = None if fresh else self._seen.get(ident)
         if seen is not None:
             self._seen.move_to_end(ident)
             _, data_key, handle = seen

@@ -39,7 +39,10 @@ def flatten_tensors(value: Any) -> List[torch.Tensor]:
 def encode_args(value: Any, slot_of: Callable[[torch.Tensor], str]) -> Any:
     """Encode ``value`` to JSON; ``slot_of(tensor)`` names the slot each tensor is stored in."""
     if isinstance(value, torch.Tensor):
-        return {"t": slot_of(value)}
+        try:
+            return {"t": slot_of(value)}
+        except KeyError:  # not recorded (an overwritten destination): only its layout matters
+            return {"like": {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}}
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
     if isinstance(value, int):
@@ -90,6 +93,10 @@ def decode_args(encoded: Any, tensor_of: Callable[[str], torch.Tensor], *,
             return tensor_of(v["t"])
         if "f" in v:
             return float(v["f"])
+        if "like" in v:
+            dt = getattr(torch, v["like"]["dtype"])
+            dt = dtype_map(dt) if dtype_map is not None and dt.is_floating_point else dt
+            return torch.zeros(v["like"]["shape"], dtype=dt, device=device or "cpu")
         if "dtype" in v:
             dt = getattr(torch, v["dtype"])
             return dtype_map(dt) if dtype_map is not None else dt

@@ -28,8 +28,8 @@ LEVELS = ("module", "op", "all")
 log = logging.getLogger(__name__)
 
 # Expected for the first layer (token ids need no gradient): the hook then reports grad_output
-# only, which is what we record. Not worth a warning per step.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+# only, which is what we record. Not worth a warning per step; silenced while a session is open.
+_EXPECTED_WARNING = "Full backward hook is firing when gradients are computed"
 
 
 def _rank_and_world() -> "tuple[int, int]":
@@ -106,13 +106,16 @@ class CaptureSession:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "CaptureSession":
-        multi_step = self.filter.steps is None or len(self.filter.steps) > 1
+        multi_step = None if self.filter.steps is None else len(self.filter.steps) > 1
         if self._sink is None:
             from .sinks import DumpSink
             meta = {"level": self.level, "mode": self.mode, "rank": self.rank,
                     "world_size": self.world_size, "multi_step": multi_step, **self.meta}
             self._sink = DumpSink(self.out, format=self.format, meta=meta, overwrite=self.overwrite)
         self.recorder = Recorder(self._sink, mode=self.mode, multi_step=multi_step, rank=self.rank)
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message=_EXPECTED_WARNING)
         try:
             model = self._model() if self._model is not None else None
             if model is not None:
@@ -124,6 +127,7 @@ class CaptureSession:
                 self._mode.__enter__()
         except BaseException:
             self._remove_hooks()
+            self._warnings.__exit__(None, None, None)
             raise
         return self
 
@@ -132,6 +136,7 @@ class CaptureSession:
             self._mode.__exit__(None, None, None)
             self._mode = None
         self._remove_hooks()
+        self._warnings.__exit__(None, None, None)
         try:
             if exc_type is None or not isinstance(exc, PrecisionDiffError):
                 self._emit_param_grads()

@@ -56,7 +56,7 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
     for col in ("seq", "step", "kind", "dir", "scope", "name", "#", "device", "slot", "dtype", "shape",
                 "min", "max", "mean", "norm", "nan/inf", "data"):
         table.add_column(col, justify="right" if col in ("seq", "step", "#", "min", "max", "mean", "norm") else "left",
-                         overflow="fold")
+                         no_wrap=col not in ("scope", "name"), overflow="fold")
     shown = events = tensors = stored = 0
     target_device = str(meta.get("target", "")).split("/")[0]
     for ev in dump.events():
@@ -75,7 +75,7 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
             s = t.stats or {}
             bad = (s.get("nan") or 0) + (s.get("inf") or 0)
             naninf = f"{s.get('nan', 0)}/{s.get('inf', 0)}"
-            head = (str(ev.seq), str(ev.step), ev.kind, ev.direction[:3], ev.scope or "(root)", ev.name,
+            head = (str(ev.seq), str(ev.step), ev.kind, "fwd" if ev.direction == "forward" else "bwd", ev.scope or "(root)", ev.name,
                     str(ev.call), device) if i == 0 else ("",) * 8
             data = format_bytes(_nbytes(t.dtype, list(t.shape))) if t.has_data else "-"
             table.add_row(*head, t.slot, t.dtype, "x".join(map(str, t.shape)) or "()",

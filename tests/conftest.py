@@ -1,0 +1,28 @@
+"""Shared fixtures: the bundled example workload and small helpers."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "tiny_transformer.py")
+
+
+@pytest.fixture(scope="session")
+def example_spec() -> str:
+    """``examples/tiny_transformer.py:build`` as an absolute spec."""
+    return f"{EXAMPLE}:build"
+
+
+@pytest.fixture(scope="session")
+def buggy_spec() -> str:
+    return f"{EXAMPLE}:build_with_bug"
+
+
+def pd_cli(*args: str, cwd: "str | None" = None, env: "dict | None" = None):
+    """Run the real console entry point in a subprocess (exit codes and stderr as a user sees them)."""
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "precisiondiff.cli", *args], capture_output=True,
+                          text=True, cwd=cwd or ROOT, env={**os.environ, **(env or {})}, timeout=300)

@@ -1,0 +1,218 @@
+"""Capture of real models at every level and mode, in memory and on disk."""
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+import precisiondiff
+from precisiondiff.hooks import MemorySink, capture
+from precisiondiff.hooks.serialize import decode_args
+from precisiondiff.targets import Target
+from precisiondiff.workload import load_workload, run_workload
+
+BF16 = Target.parse("cpu/bf16")
+
+
+def _capture_example(spec, *, level="all", mode="stats", target=BF16, **kw):
+    w = load_workload(spec)
+    model = target.prepare_model(w.model).eval()
+    sink = MemorySink()
+    with capture(model=model, level=level, mode=mode, sink=sink, **kw) as cap:
+        run_workload(w, target, model=model)
+    return sink, model, cap
+
+
+def _by(sink, **match):
+    return [e for e in sink.events if all(e[k] == v for k, v in match.items())]
+
+
+@pytest.mark.parametrize("mode", ["stats", "tensors", "replay"])
+def test_every_linear_has_forward_and_backward_events(example_spec, mode):
+    sink, model, _ = _capture_example(example_spec, mode=mode)
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 9
+    for name in linears:
+        fwd = _by(sink, kind="module", scope=name, direction="forward")
+        bwd = _by(sink, kind="module", scope=name, direction="backward")
+        assert len(fwd) == 1 and len(bwd) == 1, name
+        assert fwd[0]["name"] == "Linear"
+        assert {t["slot"] for t in bwd[0]["tensors"]} >= {"grad_output.0", "grad_input.0"}
+    stored = all(t["data_key"] for e in sink.events for t in e["tensors"])
+    assert stored == (mode != "stats")
+    assert [e["seq"] for e in sink.events] == list(range(len(sink.events)))
+
+
+def test_op_events_carry_their_module_scope(example_spec):
+    sink, _, _ = _capture_example(example_spec, level="op")
+    assert not _by(sink, kind="module")
+    addmm = _by(sink, name="aten.addmm.default", direction="forward")
+    assert [e["scope"] for e in addmm][:3] == ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1"]
+    softmax = _by(sink, name="aten._softmax.default")
+    assert softmax and all(e["scope"] == f"blocks.{i}.attn" for i, e in enumerate(softmax))
+    backward_ops = _by(sink, kind="op", direction="backward")
+    assert any(e["scope"] == "blocks.1.mlp.fc2" and e["name"] == "aten.mm.default" for e in backward_ops)
+    assert not any(e["name"].startswith("aten.view") or e["name"] == "aten.t.default" for e in sink.events)
+
+
+def test_module_level_records_no_ops(example_spec):
+    sink, _, _ = _capture_example(example_spec, level="module")
+    assert {e["kind"] for e in sink.events} == {"module", "param"}
+
+
+def test_param_grads_match_p_grad(example_spec):
+    sink, model, _ = _capture_example(example_spec, mode="tensors")
+    params = dict(model.named_parameters())
+    checked = 0
+    for ev in _by(sink, kind="param"):
+        for rec in ev["tensors"]:
+            pname = rec["slot"].removeprefix("param_grad.")
+            full = f"{ev['scope']}.{pname}" if ev["scope"] else pname
+            assert torch.equal(sink.tensor(rec), params[full].grad), full
+            checked += 1
+    assert checked == len(params)
+
+
+def test_custom_op_is_one_event(buggy_spec):
+    sink, _, _ = _capture_example(buggy_spec, level="op")
+    fused = _by(sink, name="pdexample.fused_rms_norm.default", direction="forward")
+    assert [e["scope"] for e in fused] == ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2"]
+    # the ATen ops inside the fused kernel are not recorded as separate events
+    assert not _by(sink, scope="blocks.0.norm1", name="aten.rsqrt.default", direction="forward")
+
+
+def test_replay_args_reexecute_bitwise(example_spec):
+    sink, _, _ = _capture_example(example_spec, mode="replay", level="op")
+    replayed = 0
+    for ev in sink.events[:40]:
+        assert ev["args"]["replayable"], ev["name"]
+        slots = {t["slot"]: t for t in ev["tensors"]}
+        args = decode_args(ev["args"]["args"], lambda s: sink.tensor(slots[s]))
+        kwargs = decode_args(ev["args"]["kwargs"], lambda s: sink.tensor(slots[s]))
+        ns, op, overload = ev["name"].split(".")
+        out = getattr(getattr(getattr(torch.ops, ns), op), overload)(*args, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        assert torch.equal(out, sink.tensor(slots["output.0"])), ev["name"]
+        replayed += 1
+    assert replayed == 40
+
+
+def test_a_tensor_recorded_twice_is_stored_once(example_spec):
+    sink, _, _ = _capture_example(example_spec, mode="tensors", level="op")
+    records = [t for e in sink.events for t in e["tensors"]]
+    aliases = [t for t in records if t["data_key"] != t["key"]]
+    assert len(aliases) > len(records) // 4
+    assert len(sink.data) == len({t["data_key"] for t in records})
+    # an op's output is the next op's input: same stored data, same stats
+    first, second = sink.events[0], sink.events[1]
+    out = next(t for t in first["tensors"] if t["slot"] == "output.0")
+    inp = next(t for t in second["tensors"] if t["data_key"] == out["data_key"])
+    assert inp["stats"] == out["stats"]
+
+
+def test_stats_are_right(example_spec):
+    sink, _, _ = _capture_example(example_spec, mode="tensors", level="op")
+    checked = set()
+    for ev in sink.events[:30]:
+        for rec in ev["tensors"]:
+            t = sink.tensor(rec).double()
+            s = rec["stats"]
+            if t.numel() == 0:
+                continue
+            assert s["nan"] == t.isnan().sum().item() and s["inf"] == t.isinf().sum().item()
+            assert s["min"] == t.min().item() and s["max"] == t.max().item()
+            if s["inf"] == 0:
+                assert s["mean"] == pytest.approx(t.mean().item(), rel=1e-12, abs=1e-15)
+                assert s["norm"] == pytest.approx(t.norm().item(), rel=1e-12)
+            checked.add(s["inf"] > 0)
+    assert checked == {True, False}  # the causal mask's -inf scores are counted
+
+
+def test_fingerprint_tells_bitwise_equality(example_spec):
+    a, _, _ = _capture_example(example_spec, level="op")
+    b, _, _ = _capture_example(example_spec, level="op")
+    c, _, _ = _capture_example(example_spec, level="op", target=Target.parse("cpu/fp16"))
+    fp = lambda s: [t["stats"]["fingerprint"] for e in s.events for t in e["tensors"]]  # noqa: E731
+    assert fp(a) == fp(b)
+    assert fp(a) != fp(c)
+
+
+def test_filters(example_spec):
+    sink, _, _ = _capture_example(example_spec, scope=r"^blocks\.1\.", op=r"addmm|mm", scope_exclude="attn")
+    assert sink.events
+    assert all(e["scope"].startswith("blocks.1.") and "attn" not in e["scope"] for e in sink.events)
+    assert all("mm" in e["name"] for e in sink.events if e["kind"] == "op")
+
+
+def test_steps_and_training_loop_api(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precisiondiff.hooks.capture(tmp_path / "d", model=model, mode="tensors", steps="1-2") as cap:
+        for _ in range(4):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cap.step()
+    from precisiondiff.store import load
+    dump = load(tmp_path / "d")
+    assert dump.complete
+    steps = collections.Counter(e.step for e in dump.events())
+    assert set(steps) == {1, 2}
+    keys = [t.key for e in dump.events() for t in e.tensors]
+    assert all(k.startswith(("step1/", "step2/")) for k in keys)
+
+
+def test_inplace_op_output_is_recorded_after_mutation():
+    sink = MemorySink()
+    x = torch.ones(3)
+    with capture(model=nn.Identity(), sink=sink, mode="tensors", level="op"):
+        y = x * 2
+        y.add_(1)
+    add = next(e for e in sink.events if e["name"] == "aten.add_.Tensor")
+    slots = {t["slot"]: t for t in add["tensors"]}
+    assert torch.equal(sink.tensor(slots["input.0"]), torch.full((3,), 2.0))
+    assert torch.equal(sink.tensor(slots["output.0"]), torch.full((3,), 3.0))
+    assert slots["output.0"]["stats"]["mean"] == 3.0
+
+
+def test_hooks_are_removed_even_on_error():
+    model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture(model=model, sink=MemorySink()):
+            raise RuntimeError("boom")
+    assert not model._forward_hooks and not model._forward_pre_hooks and not model._backward_hooks
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    assert _get_current_dispatch_mode() is None
+
+
+def test_global_hooks_capture_unowned_modules():
+    sink = MemorySink()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    with capture(model=None, sink=sink, level="module"):
+        model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    scopes = {(e["scope"], e["name"], e["direction"]) for e in sink.events if e["kind"] == "module"}
+    assert {("", "Sequential", "forward"), ("0", "Linear", "forward"), ("1", "Tanh", "backward")} <= scopes
+
+
+def test_device_recorded_per_event(example_spec):
+    sink, _, _ = _capture_example(example_spec, level="op")
+    assert {e["device"] for e in sink.events} == {"cpu"}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "h5"])
+def test_capture_to_disk_and_load(tmp_path, example_spec, fmt):
+    w = load_workload(example_spec)
+    model = BF16.prepare_model(w.model).eval()
+    with capture(tmp_path / "d", model=model, mode="tensors", format=fmt, meta={"target": "cpu/bf16"}):
+        run_workload(w, BF16, model=model)
+    dump = precisiondiff.store.load(tmp_path / "d")
+    events = list(dump.events())
+    assert dump.meta["target"] == "cpu/bf16" and dump.meta["mode"] == "tensors" and dump.complete
+    ev = next(e for e in events if e.kind == "module" and e.scope == "blocks.0.mlp.fc1" and e.direction == "forward")
+    out = next(t for t in ev.tensors if t.slot == "output.0")
+    assert out.key == "blocks.0.mlp.fc1/Linear#0:forward:output.0"
+    assert out.has_data and out.dtype == "bfloat16" and tuple(out.shape) == (2, 16, 256)
+    t = dump.tensor(out.key)
+    assert t.dtype == torch.bfloat16 and t.double().norm().item() == pytest.approx(out.stats["norm"], rel=1e-12)
