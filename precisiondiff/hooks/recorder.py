@@ -209,8 +209,12 @@ class Recorder:
             self.events_written += 1
 
     def end_step(self) -> None:
-        """Flush and start the next step: call numbers restart, de-duplication forgets."""
+        """Flush and start the next step: call numbers restart, de-duplication forgets.
+
+        The sink is flushed too, so a run killed later keeps every finished step on disk."""
         self.flush()
+        if hasattr(self.sink, "flush"):
+            self.sink.flush()
         self._stats.clear()
         self._seen.clear()
         self._data.clear()

@@ -32,5 +32,9 @@ class DumpSink:
     def write_event(self, event: dict, data: Dict[str, torch.Tensor]) -> None:
         self.writer.write_event(event, data)
 
+    def flush(self) -> None:
+        """Put every event so far on disk (a shard and its index lines)."""
+        self.writer.flush()
+
     def close(self, complete: bool = True) -> None:
         self.writer.close(complete=complete)
