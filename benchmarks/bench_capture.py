@@ -1,0 +1,65 @@
+"""Capture overhead: instrumented step time ÷ plain step time, per level and mode, in one run.
+
+    python benchmarks/bench_capture.py [--workload examples/tiny_transformer.py:build] [--target cpu/bf16]
+
+A step is forward + loss + backward of the workload. Each configuration is timed over
+--repeats steps after a warm-up step; plain steps are interleaved with instrumented ones so
+machine noise hits both. Dumps go to a temporary directory (stats, tensors, replay modes).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import precisiondiff.hooks as hooks  # noqa: E402
+from precisiondiff.targets import Target  # noqa: E402
+from precisiondiff.workload import load_workload, run_workload  # noqa: E402
+
+
+def _step(workload, target, model, inputs):
+    run_workload(workload, target, model=model, inputs=inputs)
+    target.synchronize()
+    model.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="examples/tiny_transformer.py:build")
+    parser.add_argument("--target", default="cpu/bf16")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    target = Target.parse(args.target)
+    workload = load_workload(args.workload)
+    model = target.prepare_model(workload.model).eval()
+    inputs = target.prepare_inputs(workload.inputs)
+    _step(workload, target, model, inputs)
+    print(f"workload {args.workload} on {target}; ratio = instrumented step / plain step (median of {args.repeats})")
+    print(f"{'level':<7} {'mode':<8} {'plain ms':>9} {'captured ms':>12} {'ratio':>7} {'events':>7}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for level in ("module", "op", "all"):
+            for mode in ("stats", "tensors", "replay"):
+                plain, captured, events = [], [], 0
+                for rep in range(args.repeats + 1):
+                    t0 = time.perf_counter()
+                    _step(workload, target, model, inputs)
+                    t1 = time.perf_counter()
+                    out = os.path.join(tmp, f"{level}-{mode}-{rep}")
+                    with hooks.capture(out, model=model, level=level, mode=mode, steps="0") as cap:
+                        _step(workload, target, model, inputs)
+                    t2 = time.perf_counter()
+                    events = cap.recorder.events_written
+                    if rep:  # the first round warms caches
+                        plain.append(t1 - t0)
+                        captured.append(t2 - t1)
+                p, c = statistics.median(plain), statistics.median(captured)
+                print(f"{level:<7} {mode:<8} {p * 1e3:9.2f} {c * 1e3:12.2f} {c / p:7.1f} {events:7d}")
+
+
+if __name__ == "__main__":
+    main()
