@@ -105,6 +105,13 @@ def verify(dump) -> None:
         sys.exit(1)
 
 
+from .cli_compare import compare as _compare, report as _report, scan as _scan  # noqa: E402
+
+cli.add_command(_compare, "compare")
+cli.add_command(_report, "report")
+cli.add_command(_scan, "scan")
+
+
 def main(argv: Optional[list] = None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="precisiondiff")

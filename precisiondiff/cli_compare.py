@@ -1,0 +1,159 @@
+"""CLI commands ``compare``, ``report`` and ``scan``: thin wrappers over the library.
+
+Exit codes: 0 parity (no failing row / no anomaly), 1 divergence or anomaly, 2 bad input.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import click
+
+from .errors import PrecisionDiffError
+
+__all__ = ["compare", "report", "scan"]
+
+_FILTERS = [
+    click.option("--scope", default=None, help="compare only events whose module path matches this regex"),
+    click.option("--op", default=None, help="compare only events whose op or module name matches this regex"),
+    click.option("--direction", type=click.Choice(["forward", "backward"]), default=None),
+    click.option("--kind", type=click.Choice(["module", "op", "param"]), default=None),
+    click.option("--inputs", is_flag=True, help="compare input slots too (default: outputs and gradients)"),
+    click.option("--device", default=None, help="run the comparisons on this device (cuda, mlu:0, ...)"),
+    click.option("--noise", type=click.Path(), default=None,
+                 help="a second capture of the DUT: rows within its run-to-run noise are not divergence"),
+    click.option("--progress/--no-progress", default=True, show_default=True,
+                 help="progress bar on stderr for comparisons that take over a second"),
+]
+
+
+def _filters(fn: Callable) -> Callable:
+    for opt in reversed(_FILTERS):
+        fn = opt(fn)
+    return fn
+
+
+def _stderr_progress(enabled: bool):
+    """A ``progress(done, total)`` callback that shows a rich bar once a second has passed."""
+    if not enabled or not sys.stderr.isatty():
+        return None, lambda: None
+    state: dict = {"t0": time.monotonic(), "bar": None, "task": None}
+
+    def update(done: int, total: int) -> None:
+        if state["bar"] is None:
+            if time.monotonic() - state["t0"] < 1.0:
+                return
+            from rich.console import Console
+            from rich.progress import Progress
+            state["bar"] = Progress(console=Console(stderr=True), transient=True)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task("comparing", total=total)
+        state["bar"].update(state["task"], completed=done)
+
+    def stop() -> None:
+        if state["bar"] is not None:
+            state["bar"].stop()
+    return update, stop
+
+
+def _run_compare(a: str, b: str, scope, op, direction, kind, inputs, device, noise, progress,
+                 only_failing: bool = False):
+    from .compare import compare as run
+    update, stop = _stderr_progress(progress)
+    try:
+        return run(a, b, scope=scope, op=op, direction=direction, kind=kind, inputs=inputs,
+                   device=device, noise=noise, only_failing=only_failing, progress=update)
+    finally:
+        stop()
+
+
+def _write(text: str, out: Optional[str]) -> None:
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(out).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise PrecisionDiffError(f"cannot write {out}: {err.strerror or err}; choose a writable path") from err
+    click.echo(f"wrote {out}", err=True)
+
+
+@click.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "html"]), default="table",
+              show_default=True)
+@click.option("-o", "--out", default=None, type=click.Path(dir_okay=False), help="write to FILE")
+@click.option("--only-failing", is_flag=True, help="show only failing rows")
+@click.option("--top", type=int, default=None, help="show only the N rows with the largest error")
+@_filters
+@click.pass_context
+def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, inputs, device,
+            noise, progress) -> None:
+    """Compare dump A (the device under test) with dump B (the reference)."""
+    if top is not None and top < 1:
+        raise PrecisionDiffError("--top must be at least 1")
+    c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, progress, only_failing)
+    rows = c.rows
+    if top is not None:
+        worst = {id(r) for r in c.top(top)}
+        rows = [r for r in rows if id(r) in worst]
+    if fmt == "json":
+        from .report.csv_json import to_json
+        _write(to_json(c, rows), out)
+    elif fmt == "csv":
+        from .report.csv_json import to_csv
+        _write(to_csv(c, rows), out)
+    elif fmt == "html":
+        from .report.html import render_html
+        _write(render_html(c, rows=rows), out)
+    else:
+        from .cli import _console
+        if out is None:
+            from .report.table import render_table
+            render_table(c, _console(), rows=rows)
+        else:
+            from rich.console import Console
+
+            from .report.table import render_table
+            with open(out, "w", encoding="utf-8") as fh:
+                render_table(c, Console(file=fh, width=200, highlight=False), rows=rows)
+    ctx.exit(c.exit_code)
+
+
+@click.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="the HTML file")
+@click.option("--worst", type=int, default=6, show_default=True, help="ULP histograms of the N worst tensors")
+@_filters
+@click.pass_context
+def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, noise, progress) -> None:
+    """Write a self-contained HTML report of the comparison of A (DUT) with B (reference)."""
+    from .report.html import render_html
+    c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, progress)
+    _write(render_html(c, worst=worst, device=device), out)
+    ctx.exit(c.exit_code)
+
+
+@click.command()
+@click.argument("dump", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--explode", type=float, default=None, help="gradient norm ratio called an explosion")
+@click.option("--vanish", type=float, default=None, help="gradient norm ratio called vanishing")
+@click.pass_context
+def scan(ctx, dump, fmt, explode, vanish) -> None:
+    """Find the first event that produced NaN/Inf from finite inputs, and exploding or
+    vanishing gradients. Exit 1 when an anomaly is found."""
+    from .scan import scan as run_scan
+    kwargs = {k: v for k, v in (("explode", explode), ("vanish", vanish)) if v is not None}
+    result = run_scan(dump, **kwargs)
+    if fmt == "json":
+        import json
+        click.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        for line in result.lines():
+            click.echo(line)
+    ctx.exit(1 if result.anomalies else 0)

@@ -1,0 +1,556 @@
+"""Comparing two dumps: :func:`compare` → :class:`Comparison` (rows in execution order).
+
+A is the device under test (DUT), B the reference. Events are matched by
+:mod:`precisiondiff.align`; each matched tensor pair becomes a row:
+
+* tensor dumps (both sides hold data): element-wise :func:`~precisiondiff.comparators.compare_tensors`,
+  judged by the budget of the op's class and A's dtype;
+* otherwise the recorded statistics are compared (:mod:`precisiondiff.compare_stats`).
+
+Rows of unmatched events have verdict ``"unmatched"``; they are reported, not failures.
+The first divergence is the first ``"fail"`` row in execution order. With a *noise* dump (a
+second capture of the DUT), a failing row whose error against the reference is within
+``NOISE_FACTOR`` times the run-to-run error of the DUT is passed and marked ``within_noise``.
+See docs/compare.md.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+from .align import Alignment, EventRef, align_events
+from .compare_stats import compare_stats, judge_stats, stats_error
+from .errors import AlignmentError
+
+__all__ = ["Row", "Comparison", "compare", "NOISE_FACTOR", "DEFAULT_SLOTS", "UNINITIALIZED"]
+
+log = logging.getLogger(__name__)
+
+# A failing row is called noise when its error vs the reference is at most this many times
+# the DUT's run-to-run error on the same tensor (error = max_abs for tensors, the statistics'
+# largest relative difference for stats-only dumps).
+NOISE_FACTOR = 2.0
+# Slots compared by default: what an event produces. Inputs are the outputs of earlier events
+# (compared there); include them with ``inputs=True``.
+DEFAULT_SLOTS = ("output", "grad_input", "param_grad")
+
+# Allocation ops return uninitialized memory: their outputs (and records whose stored data is
+# such an output, e.g. an in-place op's result recorded before it ran) are not compared.
+UNINITIALIZED = re.compile(r"\baten\.(new_)?empty")
+
+PathLike = Union[str, Path]
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Row:
+    """One compared tensor pair (or one tensor of an unmatched event).
+
+    Attributes:
+        key: A's tensor key (B's when the event is only in B).
+        seq: execution order (A's seq; B's for an event only in B).
+        verdict: ``"pass"``, ``"fail"`` or ``"unmatched"``.
+        metrics: the comparison's numbers (see docs/compare.md).
+        error: the scalar used for sorting and plots: the normwise relative error
+            ``||a - b|| / ||b||`` (tensors) or the largest relative statistic difference.
+        ulp: a ULP figure for plots (``max_ulp``), or None.
+        message: why the row failed (the budget's message), or why it is unmatched.
+    """
+
+    key: str
+    seq: int
+    rank: int
+    step: int
+    scope: str
+    name: str
+    kind: str
+    direction: str
+    call: int
+    slot: str
+    dtype_a: Optional[str]
+    dtype_b: Optional[str]
+    shape: Optional[List[int]] = None
+    key_b: Optional[str] = None
+    seq_b: Optional[int] = None
+    side: str = "both"
+    match: str = "exact"
+    mode: str = "tensors"
+    metrics: Dict[str, Any] = field(default_factory=dict)
+    verdict: str = "pass"
+    error: Optional[float] = None
+    ulp: Optional[float] = None
+    bitwise: Optional[bool] = None
+    op_class: Optional[str] = None
+    message: str = ""
+    noise: Optional[float] = None
+    within_noise: bool = False
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready dict: the DESIGN.md fields first, extras after."""
+        return {"key": self.key, "seq": self.seq, "scope": self.scope, "name": self.name,
+                "kind": self.kind, "direction": self.direction, "slot": self.slot,
+                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b,
+                "metrics": _finite(self.metrics), "verdict": self.verdict,
+                "rank": self.rank, "step": self.step, "call": self.call, "shape": self.shape,
+                "key_b": self.key_b, "seq_b": self.seq_b, "side": self.side, "match": self.match,
+                "mode": self.mode, "error": _finite(self.error), "ulp": _finite(self.ulp),
+                "bitwise": self.bitwise, "op_class": self.op_class, "message": self.message,
+                "noise": _finite(self.noise), "within_noise": self.within_noise}
+
+
+def _finite(v: Any) -> Any:
+    """NaN/inf become strings so the JSON stays standard (``"nan"``, ``"inf"``)."""
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+@dataclass
+class Comparison:
+    """The result of :func:`compare`.
+
+    Attributes:
+        a, b: the dump paths.
+        rows: rows in execution order.
+        summary: ``tensors`` (pairs compared), ``failed``, ``unmatched_a``/``unmatched_b``
+            (events only in A / B), plus ``passed``, ``within_noise``, ``rows``.
+        first_divergence: the first failing row's identity, or None.
+        determinism: for two captures of the same target: bitwise equality and noise floor.
+        growth: module outputs' error along execution order, per direction.
+        ranks: per-rank summary for multi-rank dumps.
+        notes: sentences for the user (noise used, dtype order, ...).
+    """
+
+    a: str
+    b: str
+    rows: List[Row]
+    summary: Dict[str, Any]
+    first_divergence: Optional[Dict[str, Any]]
+    meta_a: Dict[str, Any] = field(default_factory=dict)
+    meta_b: Dict[str, Any] = field(default_factory=dict)
+    determinism: Optional[Dict[str, Any]] = None
+    growth: Dict[str, List[Dict[str, Any]]] = field(default_factory=dict)
+    ranks: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+    noise: Optional[str] = None
+
+    @property
+    def failed(self) -> bool:
+        """True when at least one row failed."""
+        return self.summary.get("failed", 0) > 0
+
+    @property
+    def exit_code(self) -> int:
+        """0 parity, 1 divergence (a failing row)."""
+        return 1 if self.failed else 0
+
+    def top(self, n: int) -> List[Row]:
+        """The ``n`` compared rows with the largest error, worst first."""
+        scored = [r for r in self.rows if r.error is not None and r.verdict != "unmatched"]
+        scored.sort(key=lambda r: (-_sort_value(r.error), r.seq))
+        return scored[:n]
+
+    def to_dict(self, rows: Optional[List[Row]] = None) -> Dict[str, Any]:
+        """The DESIGN.md JSON shape (plus extra fields)."""
+        rows = self.rows if rows is None else rows
+        return {"a": self.a, "b": self.b, "summary": dict(self.summary),
+                "first_divergence": self.first_divergence,
+                "rows": [r.to_dict() for r in rows],
+                "target_a": self.meta_a.get("target"), "target_b": self.meta_b.get("target"),
+                "noise": self.noise, "determinism": _finite(self.determinism),
+                "growth": _finite(self.growth), "ranks": {str(k): v for k, v in self.ranks.items()},
+                "notes": list(self.notes)}
+
+    def to_json(self, rows: Optional[List[Row]] = None, indent: Optional[int] = None) -> str:
+        """Serialize :meth:`to_dict` as standard JSON (NaN/inf spelled as strings)."""
+        return json.dumps(self.to_dict(rows), indent=indent, allow_nan=False)
+
+
+def _sort_value(v: Optional[float]) -> float:
+    if v is None:
+        return -1.0
+    return math.inf if math.isnan(v) else v
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def _refs(events: List[Any]) -> List[EventRef]:
+    out = []
+    for i, ev in enumerate(events):
+        shapes = tuple(tuple(t.shape) for t in ev.tensors if t.slot.startswith(("output", "grad_input")))
+        out.append(EventRef(i, ev.seq, ev.kind, ev.scope, ev.name, ev.direction, ev.call, ev.step, shapes))
+    return out
+
+
+def _wanted(slot: str, inputs: bool) -> bool:
+    return inputs or slot.startswith(DEFAULT_SLOTS)
+
+
+class _Judge:
+    """Budgets from the comparators, cached per (dtype, op class); overrides by op name."""
+
+    def __init__(self, budgets: Any) -> None:
+        from . import comparators as C
+        self._C = C
+        self._overrides = budgets
+        self._cache: Dict[Tuple[str, str], Any] = {}
+
+    def op_class(self, name: str) -> str:
+        return str(self._C.op_class(name))
+
+    def budget(self, dtype: str, name: str) -> Tuple[Any, str]:
+        cls = self.op_class(name)
+        if callable(self._overrides):
+            return self._overrides(dtype, cls, name), cls
+        if isinstance(self._overrides, Mapping):
+            for pattern, budget in self._overrides.items():
+                if re.search(pattern, name):
+                    return budget, cls
+        key = (dtype, cls)
+        if key not in self._cache:
+            from .store.schema import dtype_from_name
+            self._cache[key] = self._C.budget_for(dtype_from_name(dtype), cls)
+        return self._cache[key], cls
+
+
+def _verdict_parts(verdict: Any) -> Tuple[bool, str]:
+    if isinstance(verdict, bool):
+        return verdict, ""
+    ok = getattr(verdict, "passed", None)
+    if ok is None:
+        ok = getattr(verdict, "ok", None)
+    if ok is None:
+        ok = str(getattr(verdict, "verdict", "pass")) == "pass"
+    return bool(ok), str(getattr(verdict, "message", "") or "")
+
+
+def _num(m: Mapping[str, Any], *names: str) -> Optional[float]:
+    for n in names:
+        v = m.get(n)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _is_float(dtype: Optional[str]) -> bool:
+    return bool(dtype) and dtype.startswith(("float", "bfloat"))  # type: ignore[union-attr]
+
+
+def _compare_tensor_pair(dump_a: Any, dump_b: Any, rec_a: Any, rec_b: Any, device: Optional[str]
+                         ) -> Any:
+    """Element-wise metrics of one pair (a TensorMetrics; a dict for integer/bool tensors),
+    read lazily and dropped after."""
+    from .comparators import compare_tensors
+    ta, tb = dump_a.tensor(rec_a.key), dump_b.tensor(rec_b.key)
+    if device:
+        ta, tb = ta.to(device, non_blocking=True), tb.to(device, non_blocking=True)
+    if not (_is_float(rec_a.dtype) and _is_float(rec_b.dtype)):
+        import torch
+        mismatched = int((ta.to(tb.dtype) != tb).sum()) if ta.shape == tb.shape else -1
+        return {"mismatched": mismatched, "numel": int(tb.numel())}
+    return compare_tensors(ta, tb)
+
+
+def _bitwise(rec_a: Any, rec_b: Any) -> Optional[bool]:
+    fa, fb = rec_a.stats.get("fingerprint"), rec_b.stats.get("fingerprint")
+    if rec_a.dtype != rec_b.dtype or fa is None or fb is None:
+        return None
+    return fa == fb
+
+
+# -- the comparison -----------------------------------------------------------------------
+
+def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Optional[str] = None,
+            direction: Optional[str] = None, kind: Optional[str] = None,
+            only_failing: bool = False, inputs: bool = False, budgets: Any = None,
+            device: Optional[str] = None, noise: Optional[PathLike] = None,
+            progress: Optional[Progress] = None) -> Comparison:
+    """Align two dumps and compare every matched tensor pair.
+
+    Args:
+        a: the DUT dump directory.
+        b: the reference dump directory.
+        scope: keep events whose module path matches this regex.
+        op: keep events whose op/module name matches this regex.
+        direction: ``"forward"`` or ``"backward"``.
+        kind: ``"module"``, ``"op"`` or ``"param"``.
+        only_failing: keep only failing rows in :attr:`Comparison.rows` (the summary counts all).
+        inputs: compare input slots too (default: outputs, grad inputs, parameter gradients).
+        budgets: override the comparators' budgets: a callable ``(dtype, op_class, name) ->
+            Budget`` or a mapping ``{op-name regex: Budget}``.
+        device: run the element-wise comparisons there (``"cuda"``, ``"mlu"``).
+        noise: a second capture of the DUT: rows within its run-to-run error are not divergence.
+        progress: called as ``progress(done, total)`` after each event pair.
+
+    Returns:
+        The :class:`Comparison`.
+
+    Raises:
+        DumpError: a path is missing, not a dump, or damaged.
+        AlignmentError: the dumps hold different models, steps, ranks or capture levels.
+
+    Example:
+        >>> cmp = compare("runs/dut", "runs/ref")  # doctest: +SKIP
+        >>> cmp.first_divergence["scope"], cmp.exit_code  # doctest: +SKIP
+    """
+    from .store import load
+    dump_a, dump_b = load(a), load(b)
+    dump_n = load(noise) if noise is not None else None
+    for what, d in (("A", dump_a), ("B", dump_b)) + ((("noise", dump_n),) if dump_n else ()):
+        if not d.complete:
+            log.warning("%s (%s) is a partial dump: the capture did not finish", what, d.path)
+    ranks_a, ranks_b = sorted(dump_a.ranks), sorted(dump_b.ranks)
+    if ranks_a != ranks_b:
+        raise AlignmentError(f"the dumps hold different ranks: A {ranks_a}, B {ranks_b}; "
+                             "capture both with the same --ranks and world size")
+    _check_meta(dump_a.meta, dump_b.meta, dump_n.meta if dump_n else None, noise)
+    judge = _Judge(budgets)
+    scope_re, op_re = (re.compile(scope) if scope else None), (re.compile(op) if op else None)
+
+    def keep(ev: Any) -> bool:
+        return ((scope_re is None or scope_re.search(ev.scope) is not None)
+                and (op_re is None or op_re.search(ev.name) is not None)
+                and (direction is None or ev.direction == direction)
+                and (kind is None or ev.kind == kind))
+
+    rows: List[Row] = []
+    notes: List[str] = []
+    per_rank: Dict[int, Dict[str, Any]] = {}
+    for rank in ranks_a:
+        ra, rb = dump_a.ranks[rank], dump_b.ranks[rank]
+        rn = dump_n.ranks.get(rank) if dump_n else None
+        rank_rows = list(_compare_rank(ra, rb, rn, keep, inputs, judge, device, progress, notes))
+        rows.extend(rank_rows)
+        if len(ranks_a) > 1:
+            per_rank[rank] = _summarize(rank_rows)
+            per_rank[rank]["first_divergence"] = _first_divergence(rank_rows)
+    summary = _summarize(rows)
+    comparison = Comparison(a=str(a), b=str(b), rows=rows, summary=summary,
+                            first_divergence=_first_divergence(rows), meta_a=dict(dump_a.meta),
+                            meta_b=dict(dump_b.meta), ranks=per_rank, notes=notes,
+                            noise=str(noise) if noise is not None else None)
+    comparison.growth = _growth(rows)
+    if _same_target(dump_a.meta, dump_b.meta):
+        comparison.determinism = _determinism(rows, dump_a.meta.get("target"))
+    _add_notes(comparison)
+    if only_failing:
+        comparison.rows = [r for r in rows if r.verdict == "fail"]
+    for d in (dump_a, dump_b, dump_n):
+        if d is not None:
+            d.close()
+    return comparison
+
+
+def _check_meta(ma: Mapping[str, Any], mb: Mapping[str, Any], mn: Optional[Mapping[str, Any]],
+                noise: Any) -> None:
+    la, lb = ma.get("level"), mb.get("level")
+    if la and lb and la != lb and "all" not in (la, lb):
+        raise AlignmentError(f"A was captured with --level {la}, B with --level {lb}: nothing "
+                             "matches; capture both at the same level")
+    if mn is not None and mn.get("target") != ma.get("target"):
+        raise AlignmentError(f"the noise dump {noise} is of target {mn.get('target')}, not the "
+                             f"DUT's {ma.get('target')}: pass a second capture of the DUT")
+
+
+def _same_target(ma: Mapping[str, Any], mb: Mapping[str, Any]) -> bool:
+    return bool(ma.get("target")) and ma.get("target") == mb.get("target")
+
+
+def _compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge: _Judge,
+                  device: Optional[str], progress: Optional[Progress], notes: List[str]
+                  ) -> Iterator[Row]:
+    ev_a, ev_b = list(da.events()), list(db.events())
+    la, lb = da.meta.get("level"), db.meta.get("level")
+    if la != lb and "all" in (la, lb):  # one side has op events the other cannot have
+        only = "op" if la == "all" else None
+        ev_a = [e for e in ev_a if not (only == "op" and e.kind == "op")]
+        ev_b = [e for e in ev_b if not (only is None and e.kind == "op")]
+        notes.append(f"A was captured at level {la}, B at {lb}: only module events are compared")
+    ev_a = [e for e in ev_a if keep(e)]
+    ev_b = [e for e in ev_b if keep(e)]
+    alignment: Alignment = align_events(_refs(ev_a), _refs(ev_b))
+    noise_of: Dict[int, Any] = {}
+    if dn is not None:
+        ev_n = [e for e in dn.events() if keep(e)]
+        al_n = align_events(_refs(ev_a), _refs(ev_n))
+        noise_of = {p.a: ev_n[p.b] for p in al_n.pairs}
+    how = {p.a: p.how for p in alignment.pairs}
+    total = len(alignment.order)
+    for done, (i, j) in enumerate(alignment.order, start=1):
+        if i is not None and j is not None:
+            yield from _pair_rows(da, db, dn, ev_a[i], ev_b[j], noise_of.get(i), how[i], inputs,
+                                  judge, device)
+        elif i is not None:
+            yield from _unmatched_rows(ev_a[i], "a", inputs)
+        else:
+            yield from _unmatched_rows(ev_b[j], "b", inputs)
+        if progress is not None:
+            progress(done, total)
+
+
+def _unmatched_rows(ev: Any, side: str, inputs: bool) -> Iterator[Row]:
+    recs = [t for t in ev.tensors if _wanted(t.slot, inputs)] or [None]
+    other = "B" if side == "a" else "A"
+    for t in recs:
+        yield Row(key=t.key if t else f"{ev.scope}/{ev.name}#{ev.call}:{ev.direction}",
+                  seq=ev.seq, rank=ev.rank, step=ev.step, scope=ev.scope, name=ev.name,
+                  kind=ev.kind, direction=ev.direction, call=ev.call, slot=t.slot if t else "",
+                  dtype_a=t.dtype if t and side == "a" else None,
+                  dtype_b=t.dtype if t and side == "b" else None,
+                  shape=list(t.shape) if t else None, side=side, verdict="unmatched",
+                  message=f"no matching event in {other}")
+
+
+def _pair_rows(da: Any, db: Any, dn: Any, ea: Any, eb: Any, en: Any, how: str, inputs: bool,
+               judge: _Judge, device: Optional[str]) -> Iterator[Row]:
+    recs_b = {t.slot: t for t in eb.tensors}
+    recs_n = {t.slot: t for t in en.tensors} if en is not None else {}
+    for ra in ea.tensors:
+        if not _wanted(ra.slot, inputs) or (how == "fused" and not ra.slot.startswith("output")):
+            continue
+        row = Row(key=ra.key, seq=ea.seq, rank=ea.rank, step=ea.step, scope=ea.scope, name=ea.name,
+                  kind=ea.kind, direction=ea.direction, call=ea.call, slot=ra.slot,
+                  dtype_a=ra.dtype, dtype_b=None, shape=list(ra.shape), seq_b=eb.seq, match=how)
+        rb = recs_b.get(ra.slot)
+        if rb is None:
+            row.verdict, row.side = "unmatched", "a"
+            row.message = f"B's {eb.name} has no slot {ra.slot}"
+            yield row
+            continue
+        row.key_b, row.dtype_b = rb.key, rb.dtype
+        row.bitwise = _bitwise(ra, rb)
+        if tuple(ra.shape) != tuple(rb.shape):
+            row.verdict = "fail"
+            row.message = f"{ra.key}: shape {list(ra.shape)} in A, {list(rb.shape)} in B"
+            yield row
+            continue
+        if UNINITIALIZED.search(ea.name) or UNINITIALIZED.search(ra.data_key or ""):
+            row.mode = "uninitialized"
+            row.message = "uninitialized memory (an allocation op's output): not compared"
+            yield row
+            continue
+        _judge_row(row, da, db, ra, rb, judge, device)
+        rn = recs_n.get(ra.slot)
+        if rn is not None and row.verdict == "fail":
+            _apply_noise(row, da, dn, ra, rn, device)
+        yield row
+    for rb in eb.tensors:  # B slots A lacks
+        if _wanted(rb.slot, inputs) and how != "fused" and rb.slot not in {t.slot for t in ea.tensors}:
+            yield Row(key=rb.key, seq=ea.seq, rank=eb.rank, step=eb.step, scope=eb.scope,
+                      name=eb.name, kind=eb.kind, direction=eb.direction, call=eb.call,
+                      slot=rb.slot, dtype_a=None, dtype_b=rb.dtype, shape=list(rb.shape),
+                      seq_b=eb.seq, side="b", verdict="unmatched",
+                      message=f"A's {ea.name} has no slot {rb.slot}")
+
+
+def _judge_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: _Judge,
+               device: Optional[str]) -> None:
+    if ra.has_data and rb.has_data:
+        row.mode = "tensors"
+        tm = _compare_tensor_pair(da, db, ra, rb, device)
+        m = tm if isinstance(tm, dict) else dict(tm.to_dict())
+        row.metrics = m
+        if not (_is_float(ra.dtype) and _is_float(rb.dtype)):
+            row.error = 0.0 if m["mismatched"] == 0 else 1.0
+            row.verdict = "pass" if m["mismatched"] == 0 else "fail"
+            if row.verdict == "fail":
+                row.message = f"{ra.key}: {m['mismatched']} of {m['numel']} elements differ"
+            return
+        budget, row.op_class = judge.budget(ra.dtype, row.name)
+        ok, msg = _verdict_parts(budget.judge_metrics(tm))
+        row.error = _num(m, "diff2", "rel_l2", "norm_rel", "mean_rel", "max_rel")
+        row.ulp = _num(m, "max_ulp")
+    else:
+        row.mode = "stats"
+        m = compare_stats(ra.stats, rb.stats)
+        row.metrics = m
+        ok, msg = judge_stats(m, ra.dtype, key=ra.key)
+        row.error = stats_error(m)
+    row.verdict = "pass" if ok else "fail"
+    row.message = "" if ok else msg
+
+
+def _apply_noise(row: Row, da: Any, dn: Any, ra: Any, rn: Any, device: Optional[str]) -> None:
+    if ra.has_data and rn.has_data and row.mode == "tensors":
+        nm = _compare_tensor_pair(da, dn, ra, rn, device)
+        noise_m = nm if isinstance(nm, dict) else dict(nm.to_dict())
+        err, floor = _num(row.metrics, "max_abs"), _num(noise_m, "max_abs")
+    else:
+        noise_m = compare_stats(ra.stats, rn.stats)
+        err, floor = stats_error(row.metrics), stats_error(noise_m)
+    row.noise = floor
+    if err is not None and floor and err <= NOISE_FACTOR * floor:
+        row.verdict, row.within_noise = "pass", True
+        row.message = (f"within run-to-run noise: error {err:.3g} <= {NOISE_FACTOR:g} x noise "
+                       f"{floor:.3g}")
+
+
+def _summarize(rows: List[Row]) -> Dict[str, Any]:
+    compared = [r for r in rows if r.verdict != "unmatched"]
+    events_a = {(r.rank, r.seq) for r in rows if r.verdict == "unmatched" and r.side == "a"}
+    events_b = {(r.rank, r.seq) for r in rows if r.verdict == "unmatched" and r.side == "b"}
+    return {"tensors": len(compared), "failed": sum(r.verdict == "fail" for r in rows),
+            "unmatched_a": len(events_a), "unmatched_b": len(events_b),
+            "passed": sum(r.verdict == "pass" for r in rows),
+            "within_noise": sum(r.within_noise for r in rows), "rows": len(rows)}
+
+
+def _first_divergence(rows: List[Row]) -> Optional[Dict[str, Any]]:
+    for r in rows:
+        if r.verdict == "fail":
+            return {"key": r.key, "scope": r.scope, "name": r.name, "direction": r.direction,
+                    "kind": r.kind, "seq": r.seq, "rank": r.rank, "slot": r.slot,
+                    "error": _finite(r.error), "message": r.message}
+    return None
+
+
+def _growth(rows: List[Row]) -> Dict[str, List[Dict[str, Any]]]:
+    """Module outputs' error along execution order (forward: output.0, backward: grad_input.0)."""
+    out: Dict[str, List[Dict[str, Any]]] = {"forward": [], "backward": []}
+    for r in rows:
+        if r.kind != "module" or r.error is None or r.verdict == "unmatched":
+            continue
+        if r.slot != ("output.0" if r.direction == "forward" else "grad_input.0"):
+            continue
+        series = out[r.direction]
+        prev = series[-1]["error"] if series else None
+        ratio = (r.error / prev) if prev else None
+        series.append({"scope": r.scope, "name": r.name, "seq": r.seq, "rank": r.rank,
+                       "error": r.error, "ulp": r.ulp, "growth": ratio})
+    return out
+
+
+def _determinism(rows: List[Row], target: Any) -> Dict[str, Any]:
+    compared = [r for r in rows if r.verdict != "unmatched"]
+    known = [r for r in compared if r.bitwise is not None or r.mode == "tensors"]
+    differing = [r for r in known if not (r.bitwise or (r.bitwise is None and not r.error))]
+    floor = [{"key": r.key, "seq": r.seq, "error": r.error, "max_abs": r.metrics.get("max_abs"),
+              "max_ulp": r.ulp} for r in differing]
+    return {"target": target, "bitwise": not differing and bool(known),
+            "checked": len(known), "nondeterministic": len(differing), "noise_floor": _finite(floor)}
+
+
+def _add_notes(c: Comparison) -> None:
+    if c.noise:
+        c.notes.append(f"noise: rows within {NOISE_FACTOR:g}x the run-to-run error of {c.noise} "
+                       f"are not divergence ({c.summary['within_noise']} rows)")
+    d = c.determinism
+    if d is not None:
+        if d["bitwise"]:
+            c.notes.append(f"both dumps are captures of {d['target']}: bitwise deterministic "
+                           f"({d['checked']} tensors identical)")
+        else:
+            c.notes.append(f"both dumps are captures of {d['target']}: NOT bitwise deterministic "
+                           f"({d['nondeterministic']} of {d['checked']} tensors differ; see the "
+                           "noise floor); pass one as --noise to a comparison against the reference")
+    ta, tb = str(c.meta_a.get("target", "")), str(c.meta_b.get("target", ""))
+    if ta.endswith(("float64", "fp64")) and not tb.endswith(("float64", "fp64")) and tb:
+        c.notes.append(f"A ({ta}) looks like the reference and B ({tb}) like the DUT: the DUT "
+                       "comes first (compare DUT REF)")

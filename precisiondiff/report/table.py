@@ -1,0 +1,102 @@
+"""The terminal table of a comparison (rich): rows in execution order, first divergence marked."""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from ..compare import Comparison, Row
+from .listing import format_number
+
+__all__ = ["render_table", "summary_lines", "layer_growth"]
+
+_STYLE = {"pass": "green", "fail": "bold red", "unmatched": "yellow"}
+
+
+def layer_growth(comparison: Comparison, direction: str = "forward") -> List[dict]:
+    """The per-layer growth curve: module outputs of repeated layers (``blocks.3``), else
+    the top-level modules, in execution order, each with its error and growth ratio."""
+    series = comparison.growth.get(direction, [])
+    layers = [g for g in series if g["scope"].rpartition(".")[2].isdigit()]
+    if not layers:
+        layers = [g for g in series if g["scope"] and "." not in g["scope"]]
+    out, prev = [], None
+    for g in layers:
+        out.append(dict(g, growth=(g["error"] / prev) if prev else None))
+        prev = g["error"]
+    return out
+
+
+def summary_lines(c: Comparison) -> List[str]:
+    """The summary as plain sentences (shared by the table, CSV-less outputs and HTML)."""
+    s = c.summary
+    lines = [f"{c.a} ({c.meta_a.get('target', '?')}) vs {c.b} ({c.meta_b.get('target', '?')}): "
+             f"{s['tensors']} tensors compared, {s['failed']} failed, {s['passed']} passed"
+             + (f" ({s['within_noise']} within run-to-run noise)" if s.get("within_noise") else "")
+             + f"; {s['unmatched_a']} events only in A, {s['unmatched_b']} only in B"]
+    fd = c.first_divergence
+    if fd:
+        lines.append(f"first divergence: seq {fd['seq']} {fd['direction']} {fd['kind']} "
+                     f"{fd['scope'] or '(root)'} {fd['name']} {fd['slot']}"
+                     + (f" (rank {fd['rank']})" if c.ranks else "")
+                     + (f": {fd['message']}" if fd.get("message") else ""))
+    else:
+        lines.append("no divergence: every compared tensor is within its budget")
+    for direction in ("forward", "backward"):
+        layers = layer_growth(c, direction)
+        if len(layers) >= 2:
+            worst = max(layers[1:], key=lambda g: g["growth"] or 0.0)
+            curve = " -> ".join(f"{g['scope']} {format_number(g['error'])}" for g in layers[:8])
+            more = " ..." if len(layers) > 8 else ""
+            lines.append(f"{direction} error by layer: {curve}{more}; largest growth x"
+                         f"{format_number(worst['growth'])} at {worst['scope']}")
+    for rank, rs in sorted(c.ranks.items()):
+        fd = rs.get("first_divergence")
+        lines.append(f"rank {rank}: {rs['tensors']} tensors, {rs['failed']} failed"
+                     + (f", first divergence {fd['scope']} {fd['name']} {fd['slot']}" if fd else ""))
+    lines.extend(f"note: {n}" for n in c.notes)
+    return lines
+
+
+def _fmt(v: Any) -> str:
+    return format_number(v) if v is not None else "-"
+
+
+def render_table(c: Comparison, console: Any, *, rows: Optional[List[Row]] = None,
+                 title: Optional[str] = None) -> None:
+    """Print the comparison table and its summary to ``console`` (a rich Console).
+
+    Args:
+        c: the comparison.
+        console: where to print.
+        rows: the rows to show (default: all of ``c.rows``, in execution order).
+        title: a table title.
+    """
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = c.rows if rows is None else rows
+    fd = c.first_divergence
+    multi = bool(c.ranks)
+    table = Table(header_style="bold", pad_edge=False, title=title)
+    cols = (["rank"] if multi else []) + ["", "seq", "dir", "kind", "scope", "name", "slot",
+                                          "dtype A/B", "rel err", "max ulp", "verdict", "note"]
+    for col in cols:
+        table.add_column(col, justify="right" if col in ("seq", "rel err", "max ulp", "rank") else "left",
+                         overflow="fold")
+    for r in rows:
+        first = bool(fd) and r.key == fd["key"] and r.rank == fd.get("rank", r.rank) and r.verdict == "fail"
+        note = "within noise" if r.within_noise else ("fused" if r.match == "fused" else "")
+        if r.mode == "uninitialized":
+            note = "uninitialized, skipped"
+        if r.verdict == "unmatched":
+            note = f"only in {'A' if r.side == 'a' else 'B'}"
+        if first:
+            note = "FIRST DIVERGENCE"
+        cells = ([str(r.rank)] if multi else []) + [
+            ">>" if first else "", str(r.seq), {"forward": "fwd", "backward": "bwd"}.get(r.direction, r.direction), r.kind, r.scope or "(root)", r.name,
+            r.slot, f"{r.dtype_a or '-'}/{r.dtype_b or '-'}", _fmt(r.error), _fmt(r.ulp),
+            Text(r.verdict, style=_STYLE.get(r.verdict, "")), note]
+        table.add_row(*cells, style="on dark_red" if first else None)
+    console.print(table)
+    for line in summary_lines(c):
+        style = "bold red" if line.startswith("first divergence") else None
+        console.print(line, style=style, markup=False)
