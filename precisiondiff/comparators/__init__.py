@@ -5,10 +5,33 @@ Metrics (:func:`compare_tensors`) only measure; budgets (:class:`Budget`) judge;
 """
 from __future__ import annotations
 
-from .ulp import ulp_distance, ulp_error, ulp_spacing
+from .metrics import TensorMetrics, compare_tensors
+from .tolerance import (
+    OP_CLASSES,
+    Budget,
+    Verdict,
+    budget_for,
+    condition_bound,
+    op_class,
+    parse_budget_overrides,
+    peer_ratio_check,
+)
+from .ulp import ComparatorError, UnsupportedDtypeError, ulp_distance, ulp_error, ulp_spacing
 
 __all__ = [
     "ulp_distance",
     "ulp_error",
     "ulp_spacing",
+    "compare_tensors",
+    "TensorMetrics",
+    "Budget",
+    "Verdict",
+    "budget_for",
+    "op_class",
+    "peer_ratio_check",
+    "parse_budget_overrides",
+    "condition_bound",
+    "OP_CLASSES",
+    "ComparatorError",
+    "UnsupportedDtypeError",
 ]

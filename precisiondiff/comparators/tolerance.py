@@ -1,0 +1,605 @@
+"""Budgets: how much error an op of a given class and dtype may have, and verdicts.
+
+Metrics measure (metrics.py); a :class:`Budget` judges either tensors (:meth:`Budget.check`,
+element-wise, condition-aware) or saved metrics (:meth:`Budget.judge_metrics`). Every default
+lives in ``_DEFAULTS`` below; docs/comparators.md explains each number.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .metrics import TensorMetrics
+from .ulp import (
+    ComparatorError,
+    float_format,
+    round_to_dtype,
+    ulp_error,
+    ulp_spacing,
+)
+
+__all__ = [
+    "OP_CLASSES",
+    "Budget",
+    "Verdict",
+    "op_class",
+    "budget_for",
+    "condition_bound",
+    "parse_budget_overrides",
+    "peer_ratio_check",
+    "format_mismatch",
+]
+
+OP_CLASSES = ("elementwise", "reduction", "matmul", "normalization", "softmax", "unknown")
+
+_MATMUL = {
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "dot", "vdot", "mv",
+    "addmv", "einsum", "tensordot", "_scaled_mm", "convolution", "_convolution", "conv1d",
+    "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "cudnn_convolution", "mkldnn_convolution", "convolution_backward",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_attention_math",
+    "Linear", "LazyLinear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
+    "ConvTranspose2d", "ConvTranspose3d", "MultiheadAttention",
+}
+_REDUCTION = {
+    "sum", "nansum", "mean", "nanmean", "prod", "cumsum", "cumprod", "var", "std", "var_mean",
+    "std_mean", "norm", "linalg_vector_norm", "logsumexp", "avg_pool1d", "avg_pool2d",
+    "avg_pool3d", "_adaptive_avg_pool2d", "adaptive_avg_pool2d", "embedding_bag",
+    "_embedding_bag", "index_add", "scatter_add", "scatter_reduce", "trace",
+    "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
+    "AdaptiveAvgPool3d", "EmbeddingBag",
+}
+_NORMALIZATION = {
+    "native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm",
+    "batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "instance_norm", "rms_norm", "_fused_rms_norm", "LayerNorm", "GroupNorm", "BatchNorm1d",
+    "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
+    "RMSNorm", "LocalResponseNorm",
+}
+_SOFTMAX = {
+    "_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax", "softmin",
+    "Softmax", "LogSoftmax", "Softmin", "Softmax2d",
+}
+_ELEMENTWISE = {
+    "add", "sub", "rsub", "mul", "div", "neg", "abs", "pow", "sqrt", "rsqrt", "exp", "exp2",
+    "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh", "sigmoid", "erf",
+    "erfc", "gelu", "relu", "silu", "mish", "elu", "leaky_relu", "hardtanh", "hardswish",
+    "hardsigmoid", "softplus", "clamp", "clamp_min", "clamp_max", "where", "maximum",
+    "minimum", "reciprocal", "square", "lerp", "addcmul", "addcdiv", "sign", "floor", "ceil",
+    "round", "trunc", "fmod", "remainder", "_to_copy", "to", "clone", "copy", "view",
+    "reshape", "t", "transpose", "permute", "expand", "cat", "stack", "slice", "select",
+    "index", "index_select", "gather", "embedding", "dropout", "native_dropout",
+    "masked_fill", "fill", "zeros_like", "ones_like", "contiguous", "unsqueeze", "squeeze",
+    "split", "chunk", "flatten", "_unsafe_view", "alias", "detach",
+    "ReLU", "GELU", "SiLU", "Mish", "ELU", "LeakyReLU", "Tanh", "Sigmoid", "Hardswish",
+    "Hardtanh", "Softplus", "Dropout", "Identity", "Embedding", "Flatten",
+}
+_TABLES = (
+    ("matmul", _MATMUL),
+    ("reduction", _REDUCTION),
+    ("normalization", _NORMALIZATION),
+    ("softmax", _SOFTMAX),
+    ("elementwise", _ELEMENTWISE),
+)
+
+
+def _base_name(name: str) -> str:
+    n = name.strip()
+    for prefix in ("torch.ops.aten.", "aten::", "aten."):
+        if n.startswith(prefix):
+            return n[len(prefix):].split(".")[0]
+    if "." in n:  # a module path: torch.nn.modules.linear.Linear, or a custom op ns.op.overload
+        head, _, tail = n.rpartition(".")
+        if tail[:1].isupper():
+            return tail
+        return ""  # custom namespace op: unknown
+    return n
+
+
+def op_class(op_name: str) -> str:
+    """Map an ATen op name or an nn.Module class name to one of ``OP_CLASSES``.
+
+    Namespace and overload are dropped (``aten.addmm.default`` -> ``addmm``), an in-place
+    trailing underscore too (``aten.add_.Tensor`` -> ``add``). Ops of other namespaces
+    (custom and fused ops such as ``mylib.fused_softmax.default``) are ``"unknown"``.
+
+    Args:
+        op_name: e.g. ``"aten.mm.default"``, ``"aten::bmm"``, ``"Conv2d"``,
+            ``"torch.nn.modules.normalization.LayerNorm"``.
+
+    Returns:
+        The op class string.
+
+    Example:
+        >>> op_class("aten.addmm.default"), op_class("LayerNorm"), op_class("aten.gelu")
+        ('matmul', 'normalization', 'elementwise')
+    """
+    base = _base_name(op_name)
+    if base.endswith("_") and not base.startswith("_"):
+        base = base[:-1]
+    for cls, names in _TABLES:
+        if base in names:
+            return cls
+    return "unknown"
+
+
+# ---------------------------------------------------------------------------------------
+# The one table of defaults. Per (dtype, op class):
+#   max_ulp        ULP-only bound, in ulp_error units (|a - g| / spacing(g)); used when no
+#                  magnitude is given and by judge_metrics. 0.5 = correctly rounded.
+#   rounding_ulps  final-rounding term of the condition-aware bound.
+#   accum_factor   c in  c * K * u_acc * magnitude  (K = accumulation length).
+# u_acc is the unit roundoff of the accumulation dtype: float32 (2**-24) for every format up
+# to float32 (the accelerator contract: accumulate in fp32, round once), float64 (2**-53) for
+# float64.
+# Reasoning, matmul bf16: a correct kernel returns round(C + E), |E| <= gamma_K u32 (|A||B|)
+# (Higham, recursive summation in any order: gamma_K = K u / (1 - K u)), so
+# |result - C| <= 0.5 spacing(C + E) + |E| <= 1 * spacing(C) + 2 K u32 (|A||B|) (the spacing
+# may double when C + E crosses a binade, hence 1 ULP, not 0.5; c = 2 covers gamma_K for
+# K u32 <= 1/2). A kernel that accumulates in bf16 makes errors ~ sqrt(K)..K u_bf16 (|A||B|)
+# = 2**16 sqrt(K)..K times u32: above the bound for every K < 2**30, so it fails.
+# Elementwise 16-bit/fp8 ops are computed in fp32 and rounded once: <= 0.5 ULP plus fp32
+# libm error, so 1 ULP. fp32/fp64 elementwise: libm-grade functions (CUDA expf/erff/tanhf are
+# <= 2 ULP, MLU/NPU similar) -> 4 ULP.
+# ULP-only (no magnitude) bounds for sums are a coarse screen: cancellation makes correct
+# results miss them; pass magnitude= and k= for a real verdict.
+# ---------------------------------------------------------------------------------------
+#               op class:        (max_ulp, rounding_ulps, accum_factor)
+_DEFAULTS: Dict[str, Dict[str, Tuple[float, float, float]]] = {
+    "low": {  # float16, bfloat16, float8_* (rounded once from an fp32 result)
+        "elementwise":   (1.0, 1.0, 0.0),
+        "reduction":     (2.0, 1.0, 2.0),
+        "matmul":        (2.0, 1.0, 2.0),
+        "normalization": (2.0, 1.0, 2.0),
+        "softmax":       (1.0, 1.0, 2.0),
+        "unknown":       (4.0, 4.0, 2.0),
+    },
+    "float32": {
+        "elementwise":   (4.0, 4.0, 0.0),
+        "reduction":     (16.0, 1.0, 2.0),
+        "matmul":        (64.0, 1.0, 2.0),
+        "normalization": (16.0, 4.0, 2.0),
+        "softmax":       (8.0, 8.0, 2.0),
+        "unknown":       (64.0, 64.0, 2.0),
+    },
+    "float64": {
+        "elementwise":   (4.0, 4.0, 0.0),
+        "reduction":     (16.0, 1.0, 2.0),
+        "matmul":        (64.0, 1.0, 2.0),
+        "normalization": (16.0, 4.0, 2.0),
+        "softmax":       (8.0, 8.0, 2.0),
+        "unknown":       (64.0, 64.0, 2.0),
+    },
+}
+
+#: Peer ratio standard (Dynamo ``same()``): factor 3 for 16-bit and fp8, 2 otherwise;
+#: floor = Dynamo's tol / 10 with its default tol 1e-4.
+PEER_FACTOR_LOW = 3.0
+PEER_FACTOR = 2.0
+PEER_FLOOR = 1e-5
+
+
+def _dtype_of(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        float_format(dtype)
+        return dtype
+    dt = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise ComparatorError(f"unknown dtype {dtype!r}")
+    float_format(dt)
+    return dt
+
+
+def _group(dt: torch.dtype) -> str:
+    return "float64" if dt == torch.float64 else "float32" if dt == torch.float32 else "low"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The error an op of ``op_class`` returning ``dtype`` may make.
+
+    Per-element bound with a magnitude (condition-aware)::
+
+        bound = rounding_ulps * spacing(golden) + accum_factor * k * u_acc * magnitude
+
+    and without one: ``bound = max_ulp * spacing(golden)``; ``spacing`` is
+    :func:`ulp_spacing` in ``dtype``, ``u_acc = 2**-(p+1)`` of ``accum_dtype``.
+
+    Attributes:
+        dtype: Result dtype name (``"bfloat16"``).
+        op_class: One of ``OP_CLASSES``.
+        max_ulp: ULP-only bound (ulp_error units).
+        rounding_ulps: Final rounding term of the condition-aware bound, in ULPs.
+        accum_factor: Constant ``c`` of the accumulation term.
+        accum_dtype: Dtype the accumulation is assumed to run in.
+    """
+
+    dtype: str
+    op_class: str
+    max_ulp: float
+    rounding_ulps: float
+    accum_factor: float
+    accum_dtype: str
+
+    @property
+    def u_acc(self) -> float:
+        """Unit roundoff of ``accum_dtype``."""
+        return float_format(_dtype_of(self.accum_dtype)).unit_roundoff
+
+    def describe(self, *, k: Optional[int] = None, with_magnitude: bool = False) -> str:
+        """The bound as text, e.g. ``1 ULP + 2*K*u(float32)*magnitude, K=256``."""
+        if not with_magnitude:
+            return f"{self.max_ulp:g} ULP of {self.dtype}"
+        return (f"{self.rounding_ulps:g} ULP + {self.accum_factor:g}*K*u({self.accum_dtype})"
+                f"*magnitude, K={k}")
+
+    def check(
+        self,
+        actual: torch.Tensor,
+        golden: torch.Tensor,
+        *,
+        magnitude: Optional[torch.Tensor] = None,
+        k: Optional[int] = None,
+        what: str = "tensor",
+    ) -> "Verdict":
+        """Judge ``actual`` against ``golden`` element-wise.
+
+        Args:
+            actual: Result under test (its dtype should be ``self.dtype``).
+            golden: High-precision reference (float64), same shape.
+            magnitude: Optional per-element magnitude of what was accumulated, same shape as
+                the output, e.g. ``|A| @ |B|`` for ``A @ B`` or ``sum |x|`` for a sum.
+            k: Accumulation length (the contracted dimension); required with ``magnitude``.
+            what: Name of the tensor in the message.
+
+        Returns:
+            A :class:`Verdict`. NaN where ``golden`` (rounded) is not NaN, or a wrong
+            infinity, always fails.
+
+        Raises:
+            ComparatorError: Shapes differ, or ``magnitude`` without ``k`` (or the reverse).
+
+        Example:
+            >>> g = torch.randn(8, dtype=torch.float64)
+            >>> budget_for("bfloat16", "elementwise").check(g.to(torch.bfloat16), g).passed
+            True
+        """
+        if actual.shape != golden.shape:
+            raise ComparatorError(
+                f"{what}: shapes differ: actual {tuple(actual.shape)} vs golden "
+                f"{tuple(golden.shape)}")
+        if (magnitude is None) != (k is None):
+            raise ComparatorError(
+                f"{what}: give magnitude= and k= together (the bound is "
+                "accum_factor * k * u_acc * magnitude)")
+        dt = _dtype_of(self.dtype)
+        a = actual.to(torch.float64)
+        g = golden.to(device=actual.device, dtype=torch.float64)
+        sp = ulp_spacing(g, dt)
+        if magnitude is not None:
+            if magnitude.shape != actual.shape:
+                raise ComparatorError(
+                    f"{what}: magnitude shape {tuple(magnitude.shape)} differs from "
+                    f"{tuple(actual.shape)}")
+            if not (isinstance(k, int) and k >= 1):
+                raise ComparatorError(f"{what}: k must be a positive int, got {k!r}")
+            m = magnitude.to(device=actual.device, dtype=torch.float64).abs()
+            bound = self.rounding_ulps * sp + self.accum_factor * k * self.u_acc * m
+        else:
+            bound = self.max_ulp * sp
+        r = round_to_dtype(golden.to(actual.device), actual.dtype).to(torch.float64)
+        a_nan, r_nan = a.isnan(), r.isnan()
+        nan_mm = a_nan ^ r_nan
+        inf_mm = ~a_nan & ~r_nan & (a.isinf() | r.isinf()) & (a != r)
+        fin = torch.isfinite(a) & torch.isfinite(g)
+        err = torch.where(fin, (a - g).abs(), 0.0)
+        ratio = torch.where(fin, err / bound, 0.0)
+        ratio = torch.where(nan_mm | inf_mm, math.inf, ratio)
+        over = (ratio > 1) | nan_mm | inf_mm
+        n, n_over = actual.numel(), int(over.sum())
+        rule = self.describe(k=k, with_magnitude=magnitude is not None)
+        if n == 0:
+            return Verdict(True, what, 0, 0, 0.0, None, math.nan, math.nan, math.nan,
+                           math.nan, math.nan, math.nan, 0, 0, self,
+                           f"{what}: empty tensor, nothing to judge ({rule}).")
+        flat = int(torch.argmax(ratio.reshape(-1)))
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape))
+        wa, wg = float(a.reshape(-1)[flat]), float(g.reshape(-1)[flat])
+        w_abs = abs(wa - wg) if not (math.isnan(wa) or math.isnan(wg)) else math.nan
+        w_rel = w_abs / max(abs(wg), float_format(dt).smallest_normal)
+        w_ulp = float(ulp_error(actual.reshape(-1)[flat:flat + 1], golden.reshape(-1)[flat:flat + 1], dt))
+        w_bound = float(bound.reshape(-1)[flat])
+        v = Verdict(
+            passed=n_over == 0, what=what, numel=n, n_over=n_over, fraction_over=n_over / n,
+            worst_index=idx, worst_actual=wa, worst_golden=wg, worst_abs_err=w_abs,
+            worst_rel_err=w_rel, worst_ulp_error=w_ulp, worst_bound=w_bound,
+            nan_mismatch=int(nan_mm.sum()), inf_mismatch=int(inf_mm.sum()), budget=self,
+            message="")
+        hint = _hint(self, magnitude is not None)
+        return replace(v, message=format_mismatch(v, rule=rule, hint=hint))
+
+    def judge_metrics(self, metrics: TensorMetrics, *, what: str = "tensor") -> "Verdict":
+        """Re-judge saved metrics: pass iff ``max_ulp_error <= max_ulp`` and no NaN/Inf mismatch.
+
+        Saved metrics have no magnitude, so this is the ULP-only bound.
+
+        Example:
+            >>> g = torch.randn(8, dtype=torch.float64)
+            >>> from precisiondiff.comparators import compare_tensors
+        >>> m = compare_tensors(g.to(torch.bfloat16), g)
+            >>> budget_for("bfloat16", "matmul").judge_metrics(m).passed
+            True
+        """
+        worst = metrics.max_ulp_error
+        bad_special = metrics.nan_mismatch + metrics.inf_mismatch
+        ok_ulp = math.isnan(worst) or worst <= self.max_ulp
+        passed = ok_ulp and bad_special == 0
+        n = metrics.numel
+        n_over = bad_special if ok_ulp else None
+        v = Verdict(
+            passed=passed, what=what, numel=n, n_over=n_over,
+            fraction_over=(n_over / n if n and n_over is not None else (0.0 if passed else math.nan)),
+            worst_index=None, worst_actual=math.nan, worst_golden=math.nan,
+            worst_abs_err=metrics.max_abs_err, worst_rel_err=metrics.max_rel_err,
+            worst_ulp_error=worst, worst_bound=self.max_ulp, nan_mismatch=metrics.nan_mismatch,
+            inf_mismatch=metrics.inf_mismatch, budget=self, message="")
+        return replace(v, message=format_mismatch(
+            v, rule=self.describe(), hint=_hint(self, False)))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A budget's judgement of one tensor.
+
+    Attributes:
+        passed: No element over its bound and no NaN/Inf mismatch.
+        what: Tensor name used in ``message``.
+        numel: Elements judged.
+        n_over: Elements over the bound (None when judged from metrics and unknown).
+        fraction_over: ``n_over / numel``.
+        worst_index: Index of the element with the largest error/bound ratio (None from
+            metrics).
+        worst_actual, worst_golden: Its values.
+        worst_abs_err, worst_rel_err, worst_ulp_error: Its errors (from metrics: the maxima).
+        worst_bound: The bound at that element (absolute; from metrics: in ULPs).
+        nan_mismatch, inf_mismatch: Special-value mismatches (always failures).
+        budget: The :class:`Budget` that judged.
+        message: The one mismatch message (see :func:`format_mismatch`).
+    """
+
+    passed: bool
+    what: str
+    numel: int
+    n_over: Optional[int]
+    fraction_over: float
+    worst_index: Optional[Tuple[int, ...]]
+    worst_actual: float
+    worst_golden: float
+    worst_abs_err: float
+    worst_rel_err: float
+    worst_ulp_error: float
+    worst_bound: float
+    nan_mismatch: int
+    inf_mismatch: int
+    budget: Budget
+    message: str
+
+
+def _hint(b: Budget, with_magnitude: bool) -> str:
+    if b.op_class in ("matmul", "reduction", "normalization", "softmax") and not with_magnitude:
+        return ("pass magnitude= (e.g. |A|@|B|) and k= to judge against the input condition, "
+                "or bisect to see whether this op's own arithmetic is at fault.")
+    if with_magnitude:
+        return (f"the error exceeds {b.accum_dtype} accumulation; check the kernel's accumulation "
+                "dtype and order (precisiondiff bisect names the op).")
+    return ("replay the op on the reference with the same inputs (precisiondiff bisect); if the "
+            "kernel is approximate by design, override max_ulp for it.")
+
+
+def format_mismatch(v: Verdict, *, rule: str, hint: str) -> str:
+    """The one mismatch message format (STYLE.md habit 5).
+
+    ``WHAT: N of M elements (P%) exceed the DTYPE OP_CLASS budget.`` then the worst element
+    with index, values and abs/rel/ULP error, the bound allowed, NaN/Inf mismatches when any,
+    and ``Hint:``. A pass is one line.
+    """
+    b = v.budget
+    if v.passed:
+        return (f"{v.what}: all {v.numel} elements within the {b.dtype} {b.op_class} budget "
+                f"({rule}); worst {v.worst_ulp_error:.3g} ULP.")
+    count = "?" if v.n_over is None else str(v.n_over)
+    frac = "" if v.n_over is None else f" ({100 * v.fraction_over:.3g}%)"
+    if v.worst_index is None:
+        where = "Worst"
+        vals = ""
+    else:
+        where = f"Worst at index {v.worst_index}"
+        vals = f": actual {v.worst_actual!r}, golden {v.worst_golden!r}"
+    lines = [
+        f"{v.what}: {count} of {v.numel} elements{frac} exceed the {b.dtype} {b.op_class} budget.",
+        f"{where}{vals}: abs err {v.worst_abs_err:.3g}, rel err {v.worst_rel_err:.3g}, "
+        f"{v.worst_ulp_error:.3g} ULP; bound {v.worst_bound:.3g} ({rule}).",
+    ]
+    if v.nan_mismatch or v.inf_mismatch:
+        lines.append(f"NaN mismatches: {v.nan_mismatch}, Inf mismatches: {v.inf_mismatch}.")
+    lines.append(f"Hint: {hint}")
+    return "\n".join(lines)
+
+
+_FIELDS = {"max_ulp", "rounding_ulps", "accum_factor", "accum_dtype"}
+
+
+def _apply(b: Budget, key: str, changes: Mapping[str, Any]) -> Budget:
+    if not isinstance(changes, Mapping):
+        raise ComparatorError(f"budget override for {key!r} must be a dict, got {changes!r}")
+    kw: Dict[str, Any] = {}
+    for name, val in changes.items():
+        if name not in _FIELDS:
+            raise ComparatorError(
+                f"unknown budget field {name!r} for {key!r}; fields: {', '.join(sorted(_FIELDS))}")
+        if name == "accum_dtype":
+            kw[name] = str(_dtype_of(val)).replace("torch.", "")
+            continue
+        try:
+            f = float(val)
+        except (TypeError, ValueError):
+            raise ComparatorError(f"budget {key!r}: {name} must be a number, got {val!r}") from None
+        if not (f >= 0 and math.isfinite(f)):
+            raise ComparatorError(f"budget {key!r}: {name} must be finite and >= 0, got {val!r}")
+        kw[name] = f
+    return replace(b, **kw)
+
+
+def budget_for(
+    dtype: Union[str, torch.dtype],
+    op: str,
+    *,
+    overrides: Optional[Mapping[str, Mapping[str, Any]]] = None,
+) -> Budget:
+    """The budget for results of ``dtype`` from ``op`` (an op class or an op / module name).
+
+    Overrides are applied from general to specific: ``"*"``, then the dtype name
+    (``"bfloat16"``), then the op class (``"matmul"``), then an op name key, which matches
+    the name exactly or as a prefix before an overload (``"aten.gelu"`` matches
+    ``"aten.gelu.default"``).
+
+    Args:
+        dtype: Result dtype.
+        op: An entry of ``OP_CLASSES`` or a name accepted by :func:`op_class`.
+        overrides: ``{key: {field: value}}`` as built by :func:`parse_budget_overrides`.
+
+    Returns:
+        A frozen :class:`Budget`.
+
+    Raises:
+        UnsupportedDtypeError: ``dtype`` has no ULP definition.
+        ComparatorError: An override names an unknown field or a bad value.
+
+    Example:
+        >>> budget_for(torch.bfloat16, "aten.gelu.default",
+        ...            overrides={"aten.gelu.default": {"max_ulp": 4}}).max_ulp
+        4.0
+    """
+    dt = _dtype_of(dtype)
+    cls = op if op in OP_CLASSES else op_class(op)
+    max_ulp, rounding, accum = _DEFAULTS[_group(dt)][cls]
+    name = str(dt).replace("torch.", "")
+    b = Budget(name, cls, max_ulp, rounding, accum,
+               "float64" if dt == torch.float64 else "float32")
+    if not overrides:
+        return b
+    ordered = ["*", name, cls]
+    for key in ordered:
+        if key in overrides:
+            b = _apply(b, key, overrides[key])
+    if op not in OP_CLASSES:
+        for key, changes in sorted(overrides.items(), key=lambda kv: len(kv[0])):
+            if key in ordered or key in OP_CLASSES:
+                continue
+            if op == key or op.startswith(key + "."):
+                b = _apply(b, key, changes)
+    return b
+
+
+def condition_bound(
+    op_class: str, dtype: Union[str, torch.dtype], k: int, magnitude: torch.Tensor
+) -> torch.Tensor:
+    """Accumulation term of the bound: ``accum_factor * k * u_acc * magnitude`` (float64).
+
+    Linear in ``k`` (the rigorous worst case of recursive summation, ``gamma_k``), not
+    ``sqrt(k)`` (the typical case): a correct fp32-accumulating kernel always passes, and a
+    bf16-accumulating kernel still fails because ``u_bf16 / u_fp32 = 2**16 >> sqrt(k)``.
+
+    Example:
+        >>> condition_bound("matmul", "bfloat16", 256, torch.tensor([1.0])).item() == 2 * 256 * 2**-24
+        True
+    """
+    b = budget_for(dtype, op_class)
+    return b.accum_factor * k * b.u_acc * magnitude.to(torch.float64).abs()
+
+
+def parse_budget_overrides(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """Parse CLI overrides ``[SCOPE:]FIELD=VALUE`` into the dict :func:`budget_for` takes.
+
+    SCOPE is an op name, op class or dtype name; without it the override applies to all.
+
+    Raises:
+        ComparatorError: An item is malformed or names an unknown field.
+
+    Example:
+        >>> parse_budget_overrides(["max_ulp=4", "aten.mm:accum_factor=2"])
+        {'*': {'max_ulp': 4.0}, 'aten.mm': {'accum_factor': 2.0}}
+    """
+    out: Dict[str, Dict[str, Any]] = {}
+    for item in items:
+        left, eq, value = item.partition("=")
+        if not eq or not value.strip() or not left.strip():
+            raise ComparatorError(f"budget override {item!r} is not [SCOPE:]FIELD=VALUE")
+        scope, colon, field = left.rpartition(":")
+        if not colon:
+            scope = "*"
+        scope, field, value = scope.strip(), field.strip(), value.strip()
+        if not scope:
+            raise ComparatorError(f"budget override {item!r} has an empty scope")
+        if field not in _FIELDS:
+            raise ComparatorError(
+                f"budget override {item!r}: unknown field {field!r}; "
+                f"fields: {', '.join(sorted(_FIELDS))}")
+        if field == "accum_dtype":
+            val: Any = str(_dtype_of(value)).replace("torch.", "")
+        else:
+            try:
+                val = float(value)
+            except ValueError:
+                raise ComparatorError(f"budget override {item!r}: {value!r} is not a number") from None
+            if not (val >= 0 and math.isfinite(val)):
+                raise ComparatorError(f"budget override {item!r}: value must be finite and >= 0")
+        out.setdefault(scope, {})[field] = val
+    return out
+
+
+def peer_ratio_check(
+    dut_error: float,
+    peer_error: float,
+    *,
+    factor: Optional[float] = None,
+    floor: float = PEER_FLOOR,
+    dtype: Optional[Union[str, torch.dtype]] = None,
+) -> bool:
+    """Peer ratio standard: pass iff ``dut_error <= factor * peer_error + floor``.
+
+    Both errors are measured against the same golden (e.g. RMSE vs float64), the peer being a
+    trusted device running the DUT's dtype. Defaults follow Dynamo's ``same()``: factor 3.0
+    for float16/bfloat16/float8, 2.0 otherwise; floor 1e-5 (its ``tol / 10``, tol = 1e-4).
+    A NaN DUT error fails; a NaN peer error passes only a finite DUT error under ``floor``.
+
+    Args:
+        dut_error: Error of the device under test.
+        peer_error: Error of the peer.
+        factor: Allowed ratio; if None it comes from ``dtype``.
+        floor: Absolute slack in the errors' unit.
+        dtype: Result dtype, used for the default factor.
+
+    Raises:
+        ComparatorError: Neither ``factor`` nor ``dtype`` given, or a negative value.
+
+    Example:
+        >>> peer_ratio_check(2.5e-3, 1e-3, dtype="bfloat16")
+        True
+    """
+    if factor is None:
+        if dtype is None:
+            raise ComparatorError("peer_ratio_check needs factor= or dtype= (for the default)")
+        dt = _dtype_of(dtype)
+        factor = PEER_FACTOR if dt in (torch.float32, torch.float64) else PEER_FACTOR_LOW
+    if factor < 0 or floor < 0:
+        raise ComparatorError(f"factor and floor must be >= 0, got {factor}, {floor}")
+    if math.isnan(dut_error):
+        return False
+    if math.isnan(peer_error):
+        return dut_error <= floor
+    return dut_error <= factor * peer_error + floor
