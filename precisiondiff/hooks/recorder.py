@@ -105,14 +105,15 @@ class Recorder:
             step 1 on.
         rank: this process's rank.
         batch_events: events held before their statistics are read back at once.
+        batch_elements: snapshotted small-tensor elements held before a read-back (memory bound).
         dedup_window: recently recorded tensors kept alive so their storage cannot be reused
             by another tensor that would then be mistaken for them.
     """
 
     def __init__(self, sink: Sink, *, mode: str = "stats", multi_step: Optional[bool] = None, rank: int = 0,
-                 batch_events: int = 512, dedup_window: int = 1024) -> None:
+                 batch_events: int = 512, batch_elements: int = 1 << 24, dedup_window: int = 1024) -> None:
         self.sink, self.mode, self.multi_step, self.rank = sink, mode, multi_step, rank
-        self.batch_events, self.dedup_window = batch_events, dedup_window
+        self.batch_events, self.batch_elements, self.dedup_window = batch_events, batch_elements, dedup_window
         self.step = 0
         self.seq = 0
         self.events_written = 0
@@ -156,11 +157,12 @@ class Recorder:
                 self._data[key] = _host_copy(t)
                 self._seen[ident] = (t, data_key, handle)
         else:
-            handle = self._stats.add(t)
             data_key = None
+            copy = None
             if store and self.stores_data:
                 data_key = key
-                self._data[key] = _host_copy(t)
+                copy = self._data[key] = _host_copy(t)
+            handle = self._stats.add(t, snapshot=copy)
             self._seen[ident] = (t, data_key, handle)
             if len(self._seen) > self.dedup_window:
                 self._seen.popitem(last=False)
@@ -185,7 +187,7 @@ class Recorder:
         self.seq += 1
         event.args = args  # type: ignore[attr-defined]
         self._pending.append(event)
-        if len(self._pending) >= self.batch_events:
+        if len(self._pending) >= self.batch_events or self._stats.pending_elements > self.batch_elements:
             self.flush()
 
     def flush(self) -> None:

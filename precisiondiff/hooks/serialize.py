@@ -13,6 +13,8 @@ import torch
 
 __all__ = ["encode_args", "decode_args", "is_replayable", "flatten_tensors"]
 
+_TensorBase = torch._C.TensorBase
+_SCALARS = (int, float, bool, str, type(None))
 _LAYOUTS = {str(v): v for v in (torch.strided, torch.sparse_coo)}
 _FORMATS = {str(v): v for v in (torch.contiguous_format, torch.channels_last,
                                  torch.preserve_format, torch.channels_last_3d)}
@@ -20,19 +22,21 @@ _FORMATS = {str(v): v for v in (torch.contiguous_format, torch.channels_last,
 
 def flatten_tensors(value: Any) -> List[torch.Tensor]:
     """Every tensor in a nested structure of tuples, lists and dicts, in order."""
+    if isinstance(value, _TensorBase):
+        return [value]
     found: List[torch.Tensor] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
+    stack = [value]
+    while stack:  # iterative: this runs for every op, recursion costs too much
+        v = stack.pop()
+        if isinstance(v, _TensorBase):
             found.append(v)
         elif isinstance(v, (list, tuple)):
-            for item in v:
-                walk(item)
+            if v and not isinstance(v[0], _SCALARS):
+                stack.extend(reversed(v))
+            elif any(not isinstance(x, _SCALARS) for x in v):
+                stack.extend(reversed(v))
         elif isinstance(v, dict):
-            for item in v.values():
-                walk(item)
-
-    walk(value)
+            stack.extend(reversed(list(v.values())))
     return found
 
 

@@ -1,9 +1,15 @@
 """Per-tensor statistics computed on the tensor's device and read back in batches.
 
-For each tensor we queue a small vector ``[min, max, mean, abs_mean, norm, nan, inf]``
-(float64 on the CPU, float32 on accelerators, which may lack fast float64) and a 2-element int64
-content fingerprint; :class:`StatsBatch` stacks all queued vectors of a device and copies them to
-the host once, so capture never synchronizes per tensor.
+For each tensor: ``min, max, mean, abs_mean, norm, nan, inf`` and the content fingerprint of
+:mod:`precisiondiff.store.fingerprint`. Accumulation is float64 on the CPU and float32 on
+accelerators (which may lack fast float64).
+
+Small tensors (most of a model's ops) are snapshotted with one copy when recorded and reduced
+*together* at read-back: one concatenation and a dozen segmented reductions per (device, dtype)
+group instead of a dozen kernel launches per tensor. Large tensors are reduced immediately (the
+launch cost is negligible next to their work, and snapshotting them would double memory).
+Either way the results reach the host in one copy per device per batch: capture never
+synchronizes per tensor.
 """
 from __future__ import annotations
 
@@ -11,18 +17,22 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["STAT_FIELDS", "StatsBatch"]
+from ..store.fingerprint import _BITS, _C1, _C2, fingerprint_hex, fingerprint_tensor
+
+__all__ = ["STAT_FIELDS", "StatsBatch", "SMALL_TENSOR_ELEMENTS"]
 
 STAT_FIELDS = ("min", "max", "mean", "abs_mean", "norm", "nan", "inf")
+SMALL_TENSOR_ELEMENTS = 1 << 16
+_EMPTY = {"min": None, "max": None, "mean": None, "abs_mean": None, "norm": 0.0, "nan": 0, "inf": 0,
+          "fingerprint": fingerprint_hex([0, 0])}
 
 
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    from ..store.fingerprint import fingerprint_tensor
-    return fingerprint_tensor(t)
+def _acc_dtype(device: torch.device) -> torch.dtype:
+    return torch.float64 if device.type == "cpu" else torch.float32
 
 
 def _stat_vector(t: torch.Tensor) -> torch.Tensor:
-    acc = torch.float64 if t.device.type == "cpu" else torch.float32
+    acc = _acc_dtype(t.device)
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
@@ -32,48 +42,119 @@ def _stat_vector(t: torch.Tensor) -> torch.Tensor:
                         torch.isnan(x).sum().to(acc), torch.isinf(x).sum().to(acc)])
 
 
+def _segmented(flats: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Statistics and fingerprints of many small flat tensors of one dtype and device at once.
+
+    Returns (k×7 stats in the accumulation dtype, k×2 int64 fingerprints), row i for flats[i].
+    The fingerprint is the same formula as ``fingerprint_tensor`` (a sum modulo 2**64, so the
+    segmented order gives the same value).
+    """
+    device = flats[0].device
+    acc = _acc_dtype(device)
+    buf = torch.cat(flats)
+    lengths = torch.tensor([f.numel() for f in flats], device=device)
+    k = len(flats)
+    seg = torch.repeat_interleave(torch.arange(k, device=device), lengths)
+    x = buf.to(acc)
+    inf = torch.tensor(float("inf"), dtype=acc, device=device)
+    lo = inf.expand(k).clone().scatter_reduce_(0, seg, x, "amin")
+    hi = (-inf).expand(k).clone().scatter_reduce_(0, seg, x, "amax")
+    zeros = torch.zeros(k, dtype=acc, device=device)
+    total = zeros.clone().index_add_(0, seg, x)
+    absolute = zeros.clone().index_add_(0, seg, x.abs())
+    squares = zeros.clone().index_add_(0, seg, x * x)
+    nans = zeros.clone().index_add_(0, seg, torch.isnan(x).to(acc))
+    infs = zeros.clone().index_add_(0, seg, torch.isinf(x).to(acc))
+    n = lengths.to(acc)
+    stats = torch.stack([lo, hi, total / n, absolute / n, squares.sqrt(), nans, infs], dim=1)
+    # NaN propagates through min/max as in torch.aminmax
+    has_nan = nans > 0
+    stats[:, 0] = torch.where(has_nan, torch.nan, lo)
+    stats[:, 1] = torch.where(has_nan, torch.nan, hi)
+
+    view_dtype, mask = _BITS[buf.element_size()]
+    bits = (buf if buf.dtype == view_dtype else buf.view(view_dtype)).to(torch.int64)
+    if mask is not None:
+        bits = bits & mask
+    starts = torch.cumsum(lengths, 0) - lengths
+    index = torch.arange(buf.numel(), device=device) - starts[seg]
+    y = (bits ^ (index * _C1)) * _C2
+    mixed = y ^ (y >> 29)
+    izeros = torch.zeros(k, dtype=torch.int64, device=device)
+    h1 = izeros.clone().index_add_(0, seg, mixed)
+    h2 = izeros.clone().index_add_(0, seg, mixed * (bits | 1))
+    return stats, torch.stack([h1, h2], dim=1)
+
+
 class StatsBatch:
     """Collects device-side statistics; :meth:`resolve` reads them all back at once."""
 
-    def __init__(self) -> None:
-        self._vectors: Dict[torch.device, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    def __init__(self, *, small_elements: int = SMALL_TENSOR_ELEMENTS) -> None:
+        self.small_elements = small_elements
+        self._large: Dict[torch.device, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        self._small: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
         self._results: Dict[int, dict] = {}
         self._next = 0
+        self.pending_elements = 0
 
-    def __len__(self) -> int:
-        return self._next - len(self._results)
+    def add(self, t: torch.Tensor, *, snapshot: Optional[torch.Tensor] = None) -> int:
+        """Queue statistics of ``t``; returns a handle for :meth:`get` after :meth:`resolve`.
 
-    def add(self, t: torch.Tensor) -> int:
-        """Queue statistics of ``t``; returns a handle for :meth:`get` after :meth:`resolve`."""
+        Args:
+            t: the tensor.
+            snapshot: a private contiguous copy of ``t`` the caller already made (saves a copy).
+        """
         handle = self._next
         self._next += 1
-        if t.numel() == 0:
-            self._results[handle] = {"min": None, "max": None, "mean": None, "abs_mean": None,
-                                     "norm": 0.0, "nan": 0, "inf": 0, "fingerprint": "0" * 32}
+        numel = t.numel()
+        if numel == 0:
+            self._results[handle] = dict(_EMPTY)
             return handle
         with torch.no_grad():
-            vec = _stat_vector(t)
-            fp = _fingerprint(t)
-        self._vectors.setdefault(t.device, []).append((handle, vec, fp))
+            if numel <= self.small_elements and not t.is_complex() and t.element_size() in _BITS:
+                if snapshot is not None and snapshot.device == t.device:
+                    flat = snapshot.reshape(-1)
+                else:
+                    flat = t.detach().reshape(-1)
+                    if flat.data_ptr() == t.data_ptr():
+                        flat = flat.clone()  # later in-place ops must not change what we measure
+                self._small.setdefault((t.device, t.dtype), []).append((handle, flat))
+                self.pending_elements += numel
+            else:
+                vec = _stat_vector(t)
+                fp = fingerprint_tensor(t)
+                self._large.setdefault(t.device, []).append((handle, vec, fp))
         return handle
 
     def resolve(self) -> None:
-        """One host copy per device for every queued vector."""
-        from ..store.fingerprint import fingerprint_hex
-        for items in self._vectors.values():
-            vecs = torch.stack([v.to(items[0][1].dtype) for _, v, _ in items]).cpu().tolist()
-            fps = torch.stack([f for _, _, f in items]).cpu().tolist()
-            for (handle, _, _), row, fp in zip(items, vecs, fps):
-                stats = dict(zip(STAT_FIELDS, row))
-                stats["nan"], stats["inf"] = int(row[5]), int(row[6])
-                stats["fingerprint"] = fingerprint_hex(fp)
-                self._results[handle] = stats
-        self._vectors.clear()
+        """Reduce the queued small tensors, then one host copy per device for everything."""
+        per_device: Dict[torch.device, List[Tuple[List[int], torch.Tensor, torch.Tensor]]] = {}
+        with torch.no_grad():
+            for (device, _), items in self._small.items():
+                stats, fps = _segmented([f for _, f in items])
+                per_device.setdefault(device, []).append(([h for h, _ in items], stats, fps))
+            for device, items in self._large.items():
+                stats = torch.stack([v.to(_acc_dtype(device)) for _, v, _ in items])
+                fps = torch.stack([f for _, _, f in items])
+                per_device.setdefault(device, []).append(([h for h, _, _ in items], stats, fps))
+            for device, groups in per_device.items():
+                handles = [h for hs, _, _ in groups for h in hs]
+                stats = torch.cat([s for _, s, _ in groups]).cpu().tolist()
+                fps = torch.cat([f for _, _, f in groups]).cpu().tolist()
+                for handle, row, fp in zip(handles, stats, fps):
+                    result = dict(zip(STAT_FIELDS, row))
+                    result["nan"], result["inf"] = int(row[5]), int(row[6])
+                    result["fingerprint"] = fingerprint_hex(fp)
+                    self._results[handle] = result
+        self._small.clear()
+        self._large.clear()
+        self.pending_elements = 0
 
     def get(self, handle: int) -> dict:
         return self._results[handle]
 
     def clear(self) -> None:
-        self._vectors.clear()
+        self._small.clear()
+        self._large.clear()
         self._results.clear()
-
+        self.pending_elements = 0

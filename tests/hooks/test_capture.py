@@ -216,3 +216,34 @@ def test_capture_to_disk_and_load(tmp_path, example_spec, fmt):
     assert out.has_data and out.dtype == "bfloat16" and tuple(out.shape) == (2, 16, 256)
     t = dump.tensor(out.key)
     assert t.dtype == torch.bfloat16 and t.double().norm().item() == pytest.approx(out.stats["norm"], rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                                   torch.float8_e4m3fn, torch.int64, torch.bool])
+def test_batched_stats_equal_per_tensor_stats(dtype):
+    """Small tensors are reduced together; the result must equal reducing each alone."""
+    from precisiondiff.hooks.stats import StatsBatch
+    from precisiondiff.store import fingerprint
+    g = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(n, generator=g) * 3).to(dtype) for n in (1, 7, 300, 5)]
+    tensors.append(torch.randn(4, 6, generator=g).to(dtype).t())  # non-contiguous
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        tensors.append(torch.tensor([1.0, float("nan"), float("inf")], dtype=dtype))
+    batched, single = StatsBatch(), StatsBatch(small_elements=0)
+    handles = [(batched.add(t), single.add(t)) for t in tensors]
+    batched.resolve(); single.resolve()
+    for t, (hb, hs) in zip(tensors, handles):
+        b, s = batched.get(hb), single.get(hs)
+        assert b["fingerprint"] == s["fingerprint"] == fingerprint(t)
+        for k in ("min", "max", "mean", "abs_mean", "norm", "nan", "inf"):
+            assert b[k] == pytest.approx(s[k], rel=1e-12, nan_ok=True), k
+
+
+def test_snapshot_is_taken_when_recorded():
+    from precisiondiff.hooks.stats import StatsBatch
+    batch = StatsBatch()
+    t = torch.ones(4)
+    h = batch.add(t)
+    t.mul_(5)  # an in-place update before the batch is read back
+    batch.resolve()
+    assert batch.get(h)["mean"] == 1.0
