@@ -1,0 +1,12 @@
+"""Bisect: localize the op, fused kernel or module whose own arithmetic is wrong on the DUT.
+
+See docs/bisect.md. :func:`bisect` runs a workload live; :func:`bisect_dump` works from a dump
+captured with ``--mode replay``; :func:`register_reference` gives ops without a golden-dtype
+implementation a reference.
+"""
+from .live import bisect
+from .offline import bisect_dump
+from .references import register_reference
+from .result import BisectResult
+
+__all__ = ["bisect", "bisect_dump", "register_reference", "BisectResult"]

@@ -1,0 +1,78 @@
+"""Turn the engine's finding into a :class:`BisectResult` (shared by live and offline bisect)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..targets import Target
+from .engine import EngineOutput
+from .isolate import UnitEvent
+from .judge import parity_bound
+from .result import BisectResult
+
+__all__ = ["unit_json", "assemble"]
+
+
+def unit_json(ev: UnitEvent, detail: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"kind", "scope", "name", "direction", "call", "local", "budget"}`` of a unit."""
+    return {"kind": ev.kind, "scope": ev.scope, "name": ev.name, "direction": ev.direction,
+            "call": ev.call, "local": detail.get("local", {}), "budget": detail.get("budget", {})}
+
+
+def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dict[str, float]],
+             confirmation: Dict[str, Any], cost: Dict[str, Any], notes: List[str]) -> BisectResult:
+    """Verdict rules: ``kernel`` when a culprit was found; else ``accumulated`` when the final
+    error exceeds the parity bound; else ``parity``."""
+    finding = out.finding
+    bound = parity_bound(dut.dtype)
+    final_error = (final or {}).get("final", 0.0)
+    culprit = None
+    path: List[Dict[str, Any]] = []
+    candidates: List[Dict[str, Any]] = []
+    evidence: Dict[str, Any] = {}
+    growth: List[Dict[str, Any]] = []
+    if finding.culprit is not None:
+        ev = out.units[finding.culprit]
+        detail = out.details.get(finding.culprit, {})
+        culprit = unit_json(ev, detail)
+        if detail.get("message"):
+            culprit["message"] = detail["message"]
+        if ev.kind == "module" and detail.get("over") and not detail.get("far"):
+            culprit["reason"] = "over budget and contains ops that cannot be replayed on the reference"
+        elif ev.kind == "module":
+            culprit["reason"] = ("local error far beyond what correctly rounded execution of its "
+                                 "ops explains, though its ops pass")
+        path = [{"kind": "module", "scope": out.units[u].scope, "name": out.units[u].name,
+                 "local": out.details.get(u, {}).get("local", {})} for u in finding.path]
+        candidates = [unit_json(out.units[u], out.details.get(u, {})) for u in finding.candidates]
+        before = [u for u in out.details if u in out.units and _before(out.units[u], ev)]
+        passed = [u for u in before if out.details[u].get("passed")]
+        evidence = {"upstream_units": len(before), "upstream_passed": len(passed),
+                    "upstream_unreplayable": sum(1 for u in before if not out.details[u].get("replayable", True))}
+        verdict = "kernel"
+    else:
+        verdict = "accumulated" if final is not None and final_error > bound else "parity"
+    if verdict != "kernel":
+        mods = [(u, d) for u, d in out.details.items() if out.units[u].kind == "module"
+                and isinstance(d.get("local", {}).get("rel_l2"), float)]
+        mods.sort(key=lambda ud: -ud[1]["local"]["rel_l2"])
+        growth = [{"scope": out.units[u].scope, "name": out.units[u].name,
+                   "direction": out.units[u].direction, "local": d["local"]} for u, d in mods[:5]]
+    unresolved = [out.units[u] for u in finding.unresolved]
+    if unresolved:
+        notes.append("not replayable and not inside a replayable module: "
+                     + ", ".join(f"{e.scope or '<root>'}/{e.name}" for e in unresolved)
+                     + " (register a reference with precisiondiff.register_reference)")
+    if final is None:
+        notes.append("final output not compared (no reference output available)")
+    return BisectResult(verdict=verdict, dut=str(dut), ref=str(ref), culprit=culprit, path=path,
+                        confirmation=confirmation, cost=cost, candidates=candidates, evidence=evidence,
+                        growth=growth, unreplayable=list(out.unreplayable_ops),
+                        final_error=final_error, parity_bound=bound, notes=notes)
+
+
+def _before(a: UnitEvent, b: UnitEvent) -> bool:
+    order = {"forward": 0, "backward": 1}
+    return (order.get(a.direction, 2), a.seq) < (order.get(b.direction, 2), b.seq)
+

@@ -1,0 +1,237 @@
+"""The torch side of the search: build units from recorded events, isolate each one the pure
+:class:`~precisiondiff.bisect.search.Search` asks for, and collect the evidence.
+
+Shared by live bisect (events from an in-memory capture) and offline bisect (events from a dump).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import judge as J
+from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
+                      replay_module_forward, replay_op)
+from .search import Finding, Judgement, Search, Unit
+
+__all__ = ["EngineInput", "EngineOutput", "run_search", "DATA_MOVEMENT_OPS"]
+
+log = logging.getLogger(__name__)
+
+# Ops that only move or create data: nothing to round, so nothing to isolate.
+DATA_MOVEMENT_OPS = frozenset(f"aten.{n}" for n in (
+    "clone.default", "_unsafe_view.default", "view.default", "reshape.default", "expand.default",
+    "permute.default", "transpose.int", "t.default", "slice.Tensor", "select.int", "cat.default",
+    "stack.default", "split.Tensor", "split_with_sizes.default", "unsqueeze.default",
+    "squeeze.dim", "squeeze.default", "contiguous.default", "zeros.default", "ones.default",
+    "empty.memory_format", "zeros_like.default", "ones_like.default", "empty_like.default",
+    "new_zeros.default", "new_empty.default", "new_ones.default", "full.default", "fill_.Scalar",
+    "zero_.default", "alias.default", "unbind.int", "embedding.default", "index_select.default",
+    "masked_fill.Scalar", "_reshape_alias.default", "as_strided.default", "full_like.default",
+    "scalar_tensor.default", "arange.default", "arange.start", "tril.default", "triu.default"))
+
+
+@dataclass
+class EngineInput:
+    """What the search needs.
+
+    Attributes:
+        events: the DUT's recorded events (one step), any order.
+        dut_dtype: the DUT's compute dtype (module judgement, emulation).
+        ref_device, ref_dtype: where and in which dtype golden values are computed.
+        module_of: scope -> the module object to replay (None: modules cannot be replayed).
+        param_grad: full parameter name -> the DUT's accumulated gradient loader.
+        direction: restrict to "forward" or "backward".
+        progress: called as ``progress(done, total, label)``.
+    """
+
+    events: List[UnitEvent]
+    dut_dtype: torch.dtype
+    ref_device: str = "cpu"
+    ref_dtype: torch.dtype = torch.float64
+    module_of: Optional[Callable[[str], Optional[torch.nn.Module]]] = None
+    param_grad: Dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    direction: Optional[str] = None
+    module_class_of: Optional[Callable[[str], Optional[str]]] = None
+    max_candidates: int = 3
+    progress: Optional[Callable[[int, int, str], None]] = None
+
+
+@dataclass
+class EngineOutput:
+    """The finding, and per unit what was measured."""
+
+    finding: Finding
+    units: Dict[int, UnitEvent]
+    details: Dict[int, dict]
+    replayed_ops: int
+    forward_ops: int
+    unreplayable_ops: List[str]
+
+
+def _is_candidate_op(ev: UnitEvent) -> bool:
+    if ev.name in DATA_MOVEMENT_OPS:
+        return False
+    return bool(ev.floating_slots("output."))
+
+
+def _parents(events: List[UnitEvent]) -> Dict[int, Optional[int]]:
+    """Innermost enclosing module call of every event (same direction).
+
+    The enclosing scope is the longest module scope that is a prefix of the event's scope; of
+    that module's calls, the first to finish after the event (a full backward hook of a module
+    whose inputs need no gradient fires early: then its last call).
+    """
+    calls: Dict[Tuple[str, str], List[UnitEvent]] = {}
+    for m in events:
+        if m.kind == "module":
+            calls.setdefault((m.direction, m.scope), []).append(m)
+    for ms in calls.values():
+        ms.sort(key=lambda e: e.seq)
+    parents: Dict[int, Optional[int]] = {}
+    for ev in events:
+        best_scope: Optional[str] = None
+        for (direction, s) in calls:
+            if direction != ev.direction:
+                continue
+            if ev.kind == "module":
+                inside = ev.scope != s and (s == "" or ev.scope.startswith(s + "."))
+            else:
+                inside = s == "" or ev.scope == s or ev.scope.startswith(s + ".")
+            if inside and (best_scope is None or len(s) > len(best_scope)):
+                best_scope = s
+        if best_scope is None:
+            parents[ev.seq] = None
+            continue
+        ms = calls[(ev.direction, best_scope)]
+        after = [m for m in ms if m.seq > ev.seq]
+        parents[ev.seq] = (after[0] if after else ms[-1]).seq
+    return parents
+
+
+def run_search(inp: EngineInput) -> EngineOutput:
+    """Isolate units in execution order until the culprit (and a few candidates) are known."""
+    events = [e for e in inp.events if e.kind in ("op", "module")
+              and (inp.direction is None or e.direction == inp.direction)]
+    events = [e for e in events if e.kind == "module" or _is_candidate_op(e)]
+    by_seq = {e.seq: e for e in events}
+    parents = _parents(events)
+    units = [Unit(e.seq, e.kind, e.direction, parents[e.seq]) for e in events]
+    search = Search(units, max_candidates=inp.max_candidates)
+    forward_calls: Dict[Tuple[str, str], List[UnitEvent]] = {}
+    for e in inp.events:
+        if e.kind == "module" and e.direction == "forward":
+            forward_calls.setdefault((e.scope, e.name), []).append(e)
+    for calls in forward_calls.values():
+        calls.sort(key=lambda e: e.call)
+    counter: Dict[str, int] = {"ops": 0}
+    unreplayable: List[str] = []
+    details: Dict[int, dict] = {}
+    total = len(units)
+    done = 0
+    while (uid := search.next_query()) is not None:
+        ev = by_seq[uid]
+        if inp.progress is not None:
+            inp.progress(done, total, f"{ev.direction} {ev.scope or '<root>'} {ev.name}")
+        if ev.kind == "op":
+            judgement, detail = _judge_op(ev, inp, counter)
+            if not judgement.replayable and ev.name not in unreplayable:
+                unreplayable.append(ev.name)
+        else:
+            judgement, detail = _judge_module(ev, inp, counter, set(unreplayable), forward_calls)
+        details[uid] = detail
+        search.record(uid, judgement)
+        done += 1
+    if inp.progress is not None:
+        inp.progress(total, total, "done")
+    forward_ops = sum(1 for e in inp.events if e.kind == "op" and e.direction == "forward") or 1
+    return EngineOutput(search.result(), by_seq, details, counter["ops"], forward_ops, unreplayable)
+
+
+def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple[Judgement, dict]:
+    want_mag = J.magnitude_op(ev.name)
+    try:
+        golden, mags = replay_op(ev, device=inp.ref_device, dtype=inp.ref_dtype, magnitude=want_mag)
+    except Unreplayable as err:
+        log.info("not replayable: %s", err)
+        return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
+    counter["ops"] += 2 if mags is not None else 1
+    outputs = []
+    for i, g in enumerate(golden):
+        slot = f"output.{i}"
+        info = ev.slots.get(slot)
+        if info is None or not info[2] or not g.is_floating_point():
+            continue
+        dut = ev.load(slot)
+        if not dut.is_floating_point():
+            continue
+        if tuple(dut.shape) != tuple(g.shape):
+            return Judgement(replayable=False), {"replayable": False,
+                                                 "reason": f"{slot}: golden shape {tuple(g.shape)} "
+                                                           f"!= recorded {tuple(dut.shape)}"}
+        mag = mags[i] if mags is not None and i < len(mags) else None
+        outputs.append((slot, dut, g, mag))
+    if not outputs:
+        return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}
+    module_class = inp.module_class_of(ev.scope) if inp.module_class_of is not None else None
+    oj = J.judge_op_outputs(ev.name, outputs, k=getattr(ev, "k", None), module_class=module_class)
+    return (Judgement(replayable=True, over=not oj.passed),
+            {"replayable": True, "passed": oj.passed, "local": oj.local, "budget": oj.budget,
+             "slot": oj.slot, "message": oj.message})
+
+
+def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fallback: set,
+                  forward_calls: Dict[Tuple[str, str], List[UnitEvent]]) -> Tuple[Judgement, dict]:
+    template = inp.module_of(ev.scope) if inp.module_of is not None else None
+    if template is None:
+        return Judgement(replayable=False), {"replayable": False,
+                                            "reason": "module objects not available (pass --workload)"}
+    fwd = ev
+    calls = forward_calls.get((ev.scope, ev.name), [])
+    if ev.direction == "backward":
+        index = len(calls) - 1 - ev.call
+        if not (0 <= index < len(calls)):
+            return Judgement(replayable=False), {"replayable": False, "reason": "no matching forward call"}
+        fwd = calls[index]
+
+    def replay(round_to: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
+        mode = GoldenMode(fallback=fallback, round_to=round_to, counter=counter)
+        if ev.direction == "forward":
+            return replay_module_forward(template, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
+        return replay_module_backward(template, fwd, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
+
+    try:
+        golden = replay(None)
+    except Unreplayable as err:
+        return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
+    dut: Dict[str, torch.Tensor] = {}
+    for slot in golden:
+        if slot.startswith("param_grad."):
+            if len(calls) != 1:
+                continue  # accumulated over several calls: not this call's gradient
+            full = f"{ev.scope}.{slot[len('param_grad.'):]}" if ev.scope else slot[len("param_grad."):]
+            loader = inp.param_grad.get(full)
+            if loader is not None:
+                dut[slot] = loader()
+        else:
+            info = ev.slots.get(slot)
+            if info is not None and info[2]:
+                dut[slot] = ev.load(slot)
+    keys = [k for k in golden if k in dut and dut[k].is_floating_point()
+            and tuple(dut[k].shape) == tuple(golden[k].shape)]
+    if not keys:
+        return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}
+    first = J.judge_module([(dut[k], golden[k], None) for k in keys], inp.dut_dtype)
+    if not first.over:
+        return Judgement(replayable=True), {"replayable": True, "passed": True, "local": first.local,
+                                            "budget": first.budget}
+    try:
+        emulated = replay(inp.dut_dtype)
+    except Unreplayable as err:
+        return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
+    mj = J.judge_module([(dut[k], golden[k], emulated.get(k)) for k in keys], inp.dut_dtype)
+    return (Judgement(replayable=True, over=mj.over, far=mj.far),
+            {"replayable": True, "passed": not mj.far, "local": mj.local, "budget": mj.budget,
+             "over": mj.over, "far": mj.far})

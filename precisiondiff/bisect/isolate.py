@@ -1,0 +1,347 @@
+"""Isolation: re-execute one recorded unit on the reference with the DUT's own inputs.
+
+An op is re-executed from its recorded arguments (``torch.ops.<ns>.<op>.<overload>``, or the
+reference registered for it); a module call from a copy of the module holding the DUT's own
+parameters, forward, or forward then backward with the DUT's ``grad_output``. Floating tensors
+are upcast to the golden dtype on the golden device; so are dtype arguments.
+
+:class:`GoldenMode` runs inside module replays: it substitutes registered references, runs ops
+that have no golden-dtype implementation in float32 instead (documented fallback), and, for
+*emulation*, rounds every op's floating output to the DUT dtype.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..hooks.serialize import decode_args, flatten_tensors
+from .references import reference_for
+
+__all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op",
+           "replay_module_forward", "replay_module_backward", "FALLBACK_DTYPE"]
+
+FALLBACK_DTYPE = torch.float32  # inside module replays, for ops with no golden-dtype kernel
+
+
+class Unreplayable(Exception):
+    """The unit cannot be re-executed on the reference (no implementation, missing data)."""
+
+
+@dataclass
+class UnitEvent:
+    """A recorded event, the same whether it comes from a live capture or a dump.
+
+    Attributes:
+        seq, kind, scope, name, direction, call: as in the dump format.
+        slots: slot -> (dtype name, shape, has data).
+        args: the replay arguments (``{"args", "kwargs", "replayable", ...}``) or None.
+        load: slot -> the recorded tensor (on the CPU or the DUT device).
+    """
+
+    seq: int
+    kind: str
+    scope: str
+    name: str
+    direction: str
+    call: int
+    slots: Dict[str, tuple]
+    args: Optional[dict]
+    load: Callable[[str], torch.Tensor] = field(repr=False, default=None)  # type: ignore[assignment]
+
+    def floating_slots(self, prefix: str) -> List[str]:
+        """Slots starting with ``prefix`` holding floating tensors, in index order."""
+        found = [s for s, (dt, _, _) in self.slots.items()
+                 if s.startswith(prefix) and _is_float_name(dt)]
+        return sorted(found, key=_slot_order)
+
+
+def _slot_order(slot: str) -> tuple:
+    head, _, tail = slot.partition(".")
+    return (head, int(tail)) if tail.isdigit() else (head, 1 << 30, tail)
+
+
+def _is_float_name(dtype: str) -> bool:
+    t = getattr(torch, dtype, None)
+    return isinstance(t, torch.dtype) and t.is_floating_point
+
+
+def resolve_op(name: str) -> Callable:
+    """``"aten.addmm.default"`` → ``torch.ops.aten.addmm.default``.
+
+    Raises:
+        Unreplayable: no such op is registered in this process.
+    """
+    parts = name.split(".")
+    if len(parts) < 3:
+        raise Unreplayable(f"{name}: not an op name (namespace.op.overload)")
+    ns, op, overload = ".".join(parts[:-2]), parts[-2], parts[-1]
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (AttributeError, RuntimeError) as err:
+        raise Unreplayable(f"{name}: op not registered here (import the library that defines "
+                           "it, or register a reference)") from err
+
+
+def _upcaster(device: str, dtype: torch.dtype, *, absolute: bool = False,
+              requires_grad: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    def up(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            out = t.detach().to(device=device, dtype=dtype, copy=True)
+            if absolute:
+                out = out.abs()
+            if requires_grad:
+                out.requires_grad_(True)
+            return out
+        return t.detach().to(device=device, copy=True)
+    return up
+
+
+def _dtype_map(dtype: torch.dtype) -> Callable[[torch.dtype], torch.dtype]:
+    return lambda dt: dtype if dt.is_floating_point else dt
+
+
+def _abs_scalars(value: Any, key: Optional[str] = None) -> Any:
+    """Absolute values of float scalars and of ``alpha``/``beta`` (ints elsewhere are dims)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, float) or (isinstance(value, int) and key in ("alpha", "beta")):
+        return abs(value)
+    if isinstance(value, list):
+        return [_abs_scalars(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_abs_scalars(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _abs_scalars(v, k) for k, v in value.items()}
+    return value
+
+
+def _loader(ev: UnitEvent, convert: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    cache: Dict[str, torch.Tensor] = {}
+
+    def tensor_of(slot: str) -> torch.Tensor:
+        if slot not in cache:
+            info = ev.slots.get(slot)
+            if info is None or not info[2]:
+                raise Unreplayable(f"{ev.scope}/{ev.name}: tensor {slot} was not stored; capture "
+                                   "with --mode replay")
+            cache[slot] = convert(ev.load(slot))
+        return cache[slot]
+    return tensor_of
+
+
+def _call(fn: Callable, args: Any, kwargs: Any, what: str) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Unreplayable:
+        raise
+    except Exception as err:  # the op has no implementation for the golden dtype/device
+        raise Unreplayable(f"{what}: {type(err).__name__}: {str(err).splitlines()[0][:200]}") from err
+
+
+def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype,
+              magnitude: bool = False) -> "tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]":
+    """Golden outputs of one op call, and (``magnitude``) the op applied to ``|inputs|``.
+
+    Raises:
+        Unreplayable: not recorded in replay mode, or the op fails on the golden target.
+    """
+    if not ev.args or not ev.args.get("replayable", False):
+        raise Unreplayable(f"{ev.name}: arguments not recorded (capture with --mode replay)")
+    fn = reference_for(ev.name) or resolve_op(ev.name)
+    enc_args, enc_kwargs = ev.args.get("args", []), ev.args.get("kwargs", {})
+
+    def run(absolute: bool) -> List[torch.Tensor]:
+        tensor_of = _loader(ev, _upcaster(device, dtype, absolute=absolute))
+        try:
+            args = decode_args(enc_args, tensor_of, device=device, dtype_map=_dtype_map(dtype))
+            kwargs = decode_args(enc_kwargs, tensor_of, device=device, dtype_map=_dtype_map(dtype))
+        except ValueError as err:
+            raise Unreplayable(f"{ev.name}: {err}") from err
+        if absolute:
+            args, kwargs = _abs_scalars(args), _abs_scalars(kwargs)
+        with torch.no_grad():
+            return flatten_tensors(_call(fn, args, kwargs, ev.name))
+
+    golden = run(False)
+    mags = None
+    ev_k = accumulation_length(ev, golden)
+    ev.k = ev_k  # type: ignore[attr-defined]
+    if magnitude:
+        try:
+            mags = run(True)
+        except Unreplayable:
+            mags = None
+    return golden, mags
+
+
+def accumulation_length(ev: UnitEvent, golden: List[torch.Tensor]) -> Optional[int]:
+    """K of the condition-aware bound: the contracted length of a matmul-like op, the number
+    of elements summed into each output of a reduction (inputs / outputs otherwise)."""
+    base = ev.name.split(".")[-2] if ev.name.count(".") >= 2 else ev.name
+    shapes = [info[1] for slot, info in sorted(ev.slots.items(), key=lambda kv: _slot_order(kv[0]))
+              if slot.startswith("input.") and _is_float_name(info[0])]
+    if not shapes or not golden:
+        return None
+    if base in ("mm", "bmm", "matmul", "baddbmm", "addbmm", "addmm", "addmv", "mv", "linear"):
+        mats = [s for s in shapes if len(s) >= 2]
+        if mats:
+            first = mats[0] if base not in ("addmm", "baddbmm", "addbmm", "addmv") or len(mats) < 2 else (
+                mats[1] if len(shapes[0]) < 2 or len(mats) > 2 else mats[0])
+            return max(1, int(first[-1]))
+    if base == "embedding_dense_backward":
+        return max(1, int(torch.Size(shapes[0]).numel() // max(1, shapes[0][-1])))
+    n_in = max(torch.Size(s).numel() for s in shapes)
+    n_out = max(1, golden[0].numel())
+    return max(1, n_in // n_out)
+
+
+class GoldenMode(TorchDispatchMode):
+    """Dispatch mode for module replays on the reference.
+
+    Args:
+        fallback: op names run in :data:`FALLBACK_DTYPE`; an op that raises in the golden
+            dtype is added to it and rerun there (ops with no golden-dtype kernel).
+        round_to: emulation: round each floating output to this dtype (and back).
+        counter: optional dict; ``counter["ops"]`` is incremented per op (cost accounting).
+    """
+
+    def __init__(self, *, fallback: Optional[Set[str]] = None, round_to: Optional[torch.dtype] = None,
+                 counter: Optional[Dict[str, int]] = None) -> None:
+        super().__init__()
+        self.fallback = fallback or set()
+        self.round_to = round_to
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        name = str(func)
+        if self.counter is not None:
+            self.counter["ops"] = self.counter.get("ops", 0) + 1
+        ref = reference_for(name)
+        if ref is not None:
+            out = ref(*args, **kwargs)
+        elif name in self.fallback:
+            out = self._in_fallback(func, args, kwargs)
+        else:
+            try:
+                out = func(*args, **kwargs)
+            except Exception:  # no kernel for the golden dtype: fall back (documented)
+                self.fallback.add(name)
+                out = self._in_fallback(func, args, kwargs)
+        if self.round_to is not None and not getattr(func, "is_view", False):
+            inputs = {id(t) for t in flatten_tensors((args, kwargs))}
+
+            def rnd(v: Any) -> Any:
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != self.round_to:
+                    rounded = v.to(self.round_to).to(v.dtype)
+                    if id(v) in inputs:  # in-place op: round in place
+                        v.copy_(rounded)
+                        return v
+                    return rounded
+                return v
+            out = torch.utils._pytree.tree_map(rnd, out)
+        return out
+
+    @staticmethod
+    def _in_fallback(func: Any, args: Any, kwargs: Any) -> Any:
+        def down(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v.to(FALLBACK_DTYPE)
+            return v
+        golden = next((a.dtype for a in flatten_tensors((args, kwargs)) if a.is_floating_point()),
+                      torch.float64)
+        out = func(*torch.utils._pytree.tree_map(down, args), **torch.utils._pytree.tree_map(down, kwargs))
+        return torch.utils._pytree.tree_map(
+            lambda v: v.to(golden) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
+
+
+def _module_copy(template: torch.nn.Module, ev: UnitEvent, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    module = copy.deepcopy(template).to(device=device)
+    module = module.to(dtype=dtype)
+    up = _upcaster(device, dtype)
+    with torch.no_grad():
+        for slot, info in ev.slots.items():
+            if not slot.startswith("param."):
+                continue
+            name = slot[len("param."):]
+            try:
+                target = module.get_parameter(name)
+            except AttributeError:
+                try:
+                    target = module.get_buffer(name)
+                except AttributeError:
+                    continue
+            value = up(ev.load(slot))
+            if target.shape != value.shape:
+                raise Unreplayable(f"{ev.scope}: parameter {name} has shape {tuple(value.shape)} "
+                                   f"in the capture but {tuple(target.shape)} in the model")
+            if target.is_floating_point():
+                target.data = value.to(target.dtype)
+            else:
+                target.data = value
+    for p in module.parameters():
+        p.grad = None
+    module.train(bool((ev.args or {}).get("training", False)))
+    return module
+
+
+def _decode_inputs(ev: UnitEvent, device: str, dtype: torch.dtype, requires_grad: bool) -> "tuple[list, dict]":
+    if not ev.args or not ev.args.get("replayable", False):
+        raise Unreplayable(f"{ev.scope}: module arguments not recorded (capture with --mode replay)")
+    tensor_of = _loader(ev, _upcaster(device, dtype, requires_grad=requires_grad))
+    try:
+        args = decode_args(ev.args.get("args", []), tensor_of, device=device, dtype_map=_dtype_map(dtype))
+        kwargs = decode_args(ev.args.get("kwargs", {}), tensor_of, device=device, dtype_map=_dtype_map(dtype))
+    except ValueError as err:
+        raise Unreplayable(f"{ev.scope}: {err}") from err
+    return list(args), dict(kwargs)
+
+
+def replay_module_forward(template: torch.nn.Module, ev: UnitEvent, *, device: str, dtype: torch.dtype,
+                          mode: GoldenMode) -> Dict[str, torch.Tensor]:
+    """Golden ``output.N`` of a module call, with the DUT's parameters and inputs.
+
+    Raises:
+        Unreplayable: arguments not recorded, or the module fails on the golden target.
+    """
+    module = _module_copy(template, ev, device, dtype)
+    args, kwargs = _decode_inputs(ev, device, dtype, requires_grad=False)
+    with torch.no_grad(), mode:
+        out = _call(module, args, kwargs, f"module {ev.scope or '<root>'}")
+    return {f"output.{i}": t for i, t in enumerate(flatten_tensors(out))}
+
+
+def replay_module_backward(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitEvent, *, device: str,
+                           dtype: torch.dtype, mode: GoldenMode) -> Dict[str, torch.Tensor]:
+    """Golden ``grad_input.N`` and ``param_grad.<name>`` of a module's backward call.
+
+    The forward is recomputed from the DUT's inputs and parameters, then back-propagated with
+    the DUT's ``grad_output``.
+    """
+    module = _module_copy(template, fwd, device, dtype)
+    args, kwargs = _decode_inputs(fwd, device, dtype, requires_grad=True)
+    up = _upcaster(device, dtype)
+    with torch.enable_grad(), mode:
+        out = _call(module, args, kwargs, f"module {fwd.scope or '<root>'}")
+        outs = flatten_tensors(out)
+        pairs = []
+        for slot in bwd.floating_slots("grad_output."):
+            i = int(slot.split(".")[1])
+            if i < len(outs) and outs[i].requires_grad:
+                pairs.append((outs[i], up(bwd.load(slot))))
+        if not pairs:
+            raise Unreplayable(f"{bwd.scope}: no output of the replayed module needs a gradient")
+        _call(lambda: torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs]),
+              [], {}, f"module {bwd.scope or '<root>'} backward")
+    golden: Dict[str, torch.Tensor] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.grad is not None:
+            golden[f"grad_input.{i}"] = a.grad
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            golden[f"param_grad.{name}"] = p.grad
+    return golden

@@ -1,0 +1,156 @@
+"""Judging one isolated unit, and the final output: the rules bisect applies to error numbers.
+
+* **Ops** are judged by the comparators' budgets (:func:`precisiondiff.comparators.budget_for`
+  per dtype and op class, condition-aware): the DUT's output against the golden output computed
+  from the DUT's own inputs. Matmul-like and sum-like ops get their *magnitude* (the same op
+  applied to the absolute values of its inputs, in float64: ``|A|@|B|`` for a matmul), so the
+  bound follows the magnitudes that went into each element, not only the result.
+* **Modules** are judged against *emulation*: the module replayed in float64 with every op's
+  output rounded to the DUT dtype is what correctly rounded execution of its own ops gives,
+  cancellation and conditioning included. With ``e_dut = ||dut - golden||_2`` and
+  ``e_emu = ||emulated - golden||_2`` and ``floor = u * ||golden||_2`` (``u`` the unit roundoff
+  of the DUT dtype), the module is ``over`` when ``e_dut > MODULE_OVER * max(e_emu, floor)``
+  and ``far`` when ``e_dut > MODULE_FAR * max(e_emu, floor)``.
+* **Final output**: ``final error`` is the relative L2 error ``||dut - ref||_2 / ||ref||_2`` of
+  the model output against the reference run; with a loss it is the worst of the output, the
+  loss and the parameter gradients (all gradients as one vector). Parity when it is at most
+  ``PARITY_FACTOR * u``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+__all__ = ["MODULE_OVER", "MODULE_FAR", "PARITY_FACTOR", "OpJudgement", "judge_op_outputs",
+           "judge_module", "rel_l2", "unit_roundoff", "magnitude_op", "parity_bound"]
+
+# Module rule factors (see the module docstring and docs/bisect.md).
+MODULE_OVER = 3.0   # beyond what correctly rounded execution of its ops explains
+MODULE_FAR = 10.0   # far beyond it: the module itself is blamed even when all its ops pass
+PARITY_FACTOR = 8.0  # final relative L2 error allowed, in units of the DUT's unit roundoff
+
+# Ops whose magnitude is the op applied to |inputs| (linear in each floating input).
+_MAGNITUDE_OPS = {"mm", "bmm", "addmm", "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot",
+                  "linear", "sum", "mean", "convolution", "_convolution", "einsum", "cumsum",
+                  "_scaled_mm", "embedding_dense_backward"}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """``2**-p`` for a floating dtype with ``p`` significand bits (bf16: 2**-8)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def parity_bound(dtype: torch.dtype) -> float:
+    """The final relative L2 error at or under which the run is at parity."""
+    return PARITY_FACTOR * unit_roundoff(dtype)
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected||_2 / ||expected||_2`` in float64 (``inf`` on a NaN mismatch)."""
+    a = actual.detach().to(torch.float64).flatten()
+    e = expected.detach().to(device=a.device, dtype=torch.float64).flatten()
+    if a.shape != e.shape:
+        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    both_nan = torch.isnan(a) & torch.isnan(e)
+    if bool((torch.isnan(a) ^ torch.isnan(e)).any()):
+        return math.inf
+    a, e = a[~both_nan], e[~both_nan]
+    same_inf = torch.isinf(a) & (a == e)
+    a, e = a[~same_inf], e[~same_inf]
+    if bool(torch.isinf(a).any() | torch.isinf(e).any()):
+        return math.inf
+    denom = float(torch.linalg.vector_norm(e))
+    num = float(torch.linalg.vector_norm(a - e))
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / denom
+
+
+def magnitude_op(name: str) -> bool:
+    """Whether the op's budget takes a magnitude computed as the op on ``|inputs|``."""
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[-3] == "aten" and parts[-2] in _MAGNITUDE_OPS
+
+
+@dataclass
+class OpJudgement:
+    """An op's local error against its budget.
+
+    Attributes:
+        passed: every floating output is within budget.
+        local: the worst output's metrics (comparators' TensorMetrics as a dict).
+        budget: that output's budget (as a dict).
+        slot: the worst output's slot.
+        message: the comparators' mismatch message for it, if it failed.
+    """
+
+    passed: bool
+    local: Dict[str, Any] = field(default_factory=dict)
+    budget: Dict[str, Any] = field(default_factory=dict)
+    slot: str = "output.0"
+    message: str = ""
+
+
+def judge_op_outputs(name: str, outputs: Sequence[tuple], *, k: Optional[int] = None,
+                     module_class: Optional[str] = None) -> OpJudgement:
+    """Judge an op's outputs: ``outputs`` is ``[(slot, dut, golden, magnitude or None), ...]``;
+    ``k`` is the accumulation length that goes with the magnitudes.
+
+    The DUT tensor's dtype picks the budget; the comparison runs in float64.
+    """
+    from . import _compat
+    worst: Optional[OpJudgement] = None
+    for slot, dut, golden, magnitude in outputs:
+        budget = _compat.budget_for_op(name, dut.dtype, module_class)
+        verdict = _compat.check(budget, dut, golden, magnitude, k if magnitude is not None else None, slot)
+        metrics = _compat.metrics(dut, golden)
+        current = OpJudgement(passed=verdict.passed, local=metrics, budget=_compat.as_dict(budget),
+                              slot=slot, message=_compat.message(verdict, slot))
+        score = metrics.get("max_ulp", 0.0) or 0.0
+        if (worst is None or (not current.passed and worst.passed)
+                or (current.passed == worst.passed and score > (worst.local.get("max_ulp") or 0.0))):
+            worst = current
+    return worst if worst is not None else OpJudgement(passed=True)
+
+
+@dataclass
+class ModuleJudgement:
+    """A module's local error against what correct rounding through its ops explains."""
+
+    over: bool
+    far: bool
+    local: Dict[str, Any]
+    budget: Dict[str, Any]
+
+
+def judge_module(pairs: Sequence[tuple], dtype: torch.dtype) -> ModuleJudgement:
+    """``pairs`` is ``[(dut, golden, emulated or None), ...]`` for every output the module gives.
+
+    Errors are summed over outputs (squared L2). ``emulated`` None means "not computed" (the DUT
+    error was already below the floor, so it cannot be over).
+    """
+    u = unit_roundoff(dtype)
+    e_dut2 = e_emu2 = g2 = 0.0
+    for dut, golden, emulated in pairs:
+        g = golden.detach().to(torch.float64)
+        d = dut.detach().to(device=g.device, dtype=torch.float64)
+        if bool((torch.isnan(d) ^ torch.isnan(g)).any()):
+            e_dut2 = math.inf
+        g2 += float(torch.nan_to_num(g).pow(2).sum())
+        e_dut2 += float(torch.nan_to_num(d - g, nan=0.0, posinf=math.inf, neginf=math.inf).pow(2).sum())
+        if emulated is not None:
+            em = emulated.detach().to(device=g.device, dtype=torch.float64)
+            e_emu2 += float(torch.nan_to_num(em - g, nan=0.0).pow(2).sum())
+    e_dut, e_emu, gnorm = math.sqrt(e_dut2), math.sqrt(e_emu2), math.sqrt(g2)
+    explained = max(e_emu, u * gnorm)
+    ratio = e_dut / explained if explained > 0 else (0.0 if e_dut == 0 else math.inf)
+    local = {"rel_l2": e_dut / gnorm if gnorm else (0.0 if e_dut == 0 else math.inf),
+             "rel_l2_emulated": e_emu / gnorm if gnorm else 0.0, "ratio_to_rounding": ratio}
+    budget = {"rule": "emulated-rounding", "over_factor": MODULE_OVER, "far_factor": MODULE_FAR,
+              "unit_roundoff": u}
+    return ModuleJudgement(over=ratio > MODULE_OVER, far=ratio > MODULE_FAR, local=local, budget=budget)

@@ -1,0 +1,233 @@
+"""Live bisect: run the workload on the DUT (captured) and on the reference, then search."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ..errors import BisectError
+from ..hooks import MemorySink, capture
+from ..targets import Target, default_dut
+from ..workload import Workload, call_model, load_workload, run_workload
+from .assemble import assemble
+from .engine import EngineInput, EngineOutput, run_search
+from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
+from .result import BisectResult
+from .substitute import ReplaceOpMode, final_errors, replace_module_output
+
+__all__ = ["bisect", "events_from_sink", "confirm"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]
+
+
+def events_from_sink(sink: MemorySink) -> List[UnitEvent]:
+    """The captured events of a :class:`MemorySink` as :class:`UnitEvent`."""
+    out = []
+    for e in sink.events:
+        records = {r["slot"]: r for r in e["tensors"]}
+        slots = {s: (r["dtype"], tuple(r["shape"]), r["data_key"] is not None) for s, r in records.items()}
+
+        def load(slot: str, _records: Dict[str, dict] = records) -> torch.Tensor:
+            return sink.tensor(_records[slot])
+        out.append(UnitEvent(e["seq"], e["kind"], e["scope"], e["name"], e["direction"], e["call"],
+                             slots, e.get("args"), load))
+    return out
+
+
+def param_grads_of(events: List[UnitEvent]) -> Dict[str, Callable[[], torch.Tensor]]:
+    """Full parameter name -> loader of its accumulated gradient, from ``param`` events."""
+    grads: Dict[str, Callable[[], torch.Tensor]] = {}
+    for ev in events:
+        if ev.kind != "param":
+            continue
+        for slot, info in ev.slots.items():
+            if slot.startswith("param_grad.") and info[2]:
+                name = slot[len("param_grad."):]
+                full = f"{ev.scope}.{name}" if ev.scope else name
+                grads[full] = (lambda e=ev, s=slot: e.load(s))
+    return grads
+
+
+def _grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _timed_forward(workload: Workload, dut: Target, model: torch.nn.Module, inputs: Any) -> float:
+    with torch.no_grad(), dut.context():
+        call_model(model, inputs)  # warm-up
+        dut.synchronize()
+        start = time.perf_counter()
+        call_model(model, inputs)
+        dut.synchronize()
+    return time.perf_counter() - start
+
+
+def golden_of_culprit(ev: UnitEvent, events: List[UnitEvent], module_of: Callable[[str], Any],
+                      ref: Target, dut_dtype: torch.dtype, unreplayable: List[str]) -> Dict[str, torch.Tensor]:
+    """The culprit's golden outputs (``output.N`` / ``grad_input.N``) for substitution."""
+    if ev.kind == "op":
+        golden, _ = replay_op(ev, device=ref.device, dtype=ref.dtype)
+        return {f"output.{i}": g for i, g in enumerate(golden)}
+    template = module_of(ev.scope)
+    mode = GoldenMode(fallback=set(unreplayable))
+    if ev.direction == "forward":
+        return replay_module_forward(template, ev, device=ref.device, dtype=ref.dtype, mode=mode)
+    calls = sorted((e for e in events if e.kind == "module" and e.direction == "forward"
+                    and e.scope == ev.scope and e.name == ev.name), key=lambda e: e.call)
+    fwd = calls[len(calls) - 1 - ev.call]
+    return replay_module_backward(template, fwd, ev, device=ref.device, dtype=ref.dtype, mode=mode)
+
+
+def confirm(workload: Workload, dut: Target, ev: UnitEvent, events: List[UnitEvent],
+            golden: Dict[str, torch.Tensor]) -> Optional[Dict[str, Any]]:
+    """Rerun the DUT with the culprit's output replaced; returns output/loss/grads or None."""
+    model = dut.prepare_model(workload.model)
+    model.train(workload.train)
+    inputs = dut.prepare_inputs(workload.inputs)
+    if ev.kind == "op":
+        same = sorted((e for e in events if e.kind == "op" and e.name == ev.name), key=lambda e: e.seq)
+        ordinal = [e.seq for e in same].index(ev.seq)
+        gold = {int(k.split(".")[1]): v for k, v in golden.items() if k.startswith("output.")}
+        mode = ReplaceOpMode(ev.name, ordinal, gold)
+        with mode:
+            result = run_workload(workload, dut, model=model, inputs=inputs)
+        done = mode.replaced
+    else:
+        module = model.get_submodule(ev.scope) if ev.scope else model
+        with replace_module_output(module, ev.direction, ev.call, golden) as flag:
+            result = run_workload(workload, dut, model=model, inputs=inputs)
+        done = flag[0]
+    if not done:
+        return None
+    return {"output": result.output, "loss": result.loss, "grads": _grads(result.model)}
+
+
+def substitution_notes(confirmation: Dict[str, Any], candidates: List[dict]) -> List[str]:
+    """Say so when substitution removes little of the final error."""
+    before = confirmation.get("final_error_before")
+    after = confirmation.get("final_error_after_substitution")
+    if not isinstance(before, float) or not isinstance(after, float) or before <= 0:
+        return []
+    reduction = 1.0 - after / before
+    confirmation["reduction"] = reduction
+    if reduction < 0.5:
+        names = ", ".join(f"{c['scope'] or '<root>'}/{c['name']} ({c['direction']})" for c in candidates)
+        return [f"substituting the culprit removes only {reduction:.0%} of the final error: other "
+                f"causes remain" + (f"; next candidates: {names}" if names else
+                                    " (rounding accumulated elsewhere)")]
+    return []
+
+
+def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Target | None" = None,
+           ref: "str | Target" = "cpu/float64", direction: Optional[str] = None,
+           budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
+           max_candidates: int = 3) -> BisectResult:
+    """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
+
+    Runs the workload once on the DUT under capture (forward, and backward when it has a loss),
+    once on the reference, isolates every op and module call on the reference with the DUT's own
+    inputs and parameters, and confirms the culprit by substitution.
+
+    Args:
+        workload: ``file.py:fn``, ``package.module:fn``, a factory, or a :class:`Workload`.
+        target: the device under test (default: the first of mlu, cuda, cpu in bf16).
+        ref: the reference target (default ``cpu/float64``).
+        direction: ``"forward"`` or ``"backward"`` to search one direction only.
+        budgets: reserved for budget overrides; must be None for now.
+        seed: the seed applied before the workload is built.
+        progress: called as ``progress(done, total, label)`` while units are isolated.
+        max_candidates: offending units to report after the culprit.
+
+    Returns:
+        A :class:`BisectResult`.
+
+    Raises:
+        BisectError: bad direction or options; TargetError, WorkloadError as raised by those.
+
+    Example:
+        >>> r = bisect("examples/tiny_transformer.py:build_with_bug", target="cpu/bf16")
+        >>> r.culprit["name"]
+        'pdexample.fused_rms_norm.default'
+    """
+    if direction not in (None, "forward", "backward"):
+        raise BisectError(f"--direction must be forward or backward, not {direction!r}")
+    if budgets is not None:
+        raise BisectError("custom budgets are not supported yet: pass budgets=None")
+    started = time.perf_counter()
+    dut = Target.parse(target) if target is not None else default_dut()
+    ref_t = Target.parse(ref)
+    dut.check_available()
+    ref_t.check_available()
+    if ref_t.autocast:
+        raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
+    wl = load_workload(workload, seed=seed)
+    has_backward = wl.loss is not None
+    fwd_cost = 3.0 if has_backward else 1.0
+
+    model = dut.prepare_model(wl.model)
+    model.train(wl.train)
+    inputs = dut.prepare_inputs(wl.inputs)
+    plain_forward_s = _timed_forward(wl, dut, model, inputs)
+    sink = MemorySink()
+    t0 = time.perf_counter()
+    with capture(model=model, level="all", mode="replay", sink=sink):
+        result = run_workload(wl, dut, model=model, inputs=inputs)
+    dut.synchronize()
+    capture_s = time.perf_counter() - t0
+    with GoldenMode(fallback=set()) as ref_mode:
+        ref_result = run_workload(wl, ref_t)
+    if ref_mode.fallback:
+        notes_ref = [f"the reference run computed {', '.join(sorted(ref_mode.fallback))} in float32: "
+                     "no float64 kernel"]
+    else:
+        notes_ref = []
+    final = final_errors(result.output, result.loss, _grads(model), ref_result.output,
+                         ref_result.loss, _grads(ref_result.model))
+
+    events = events_from_sink(sink)
+    modules = {name: m for name, m in model.named_modules()}
+    t1 = time.perf_counter()
+    out: EngineOutput = run_search(EngineInput(
+        events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
+        module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
+        param_grad=param_grads_of(events), direction=direction,
+        max_candidates=max_candidates, progress=progress))
+    search_s = time.perf_counter() - t1
+
+    dut_runs, notes = 2, list(notes_ref)
+    confirmation: Dict[str, Any] = {"final_error_before": final["final"],
+                                    "final_error_after_substitution": None}
+    if out.finding.culprit is not None:
+        ev = out.units[out.finding.culprit]
+        try:
+            golden = golden_of_culprit(ev, events, modules.get, ref_t, dut.dtype, out.unreplayable_ops)
+            rerun = confirm(wl, dut, ev, events, golden)
+            dut_runs += 1
+        except Unreplayable as err:
+            rerun = None
+            notes.append(f"substitution not possible: {err}")
+        if rerun is not None:
+            after = final_errors(rerun["output"], rerun["loss"], rerun["grads"], ref_result.output,
+                                 ref_result.loss, _grads(ref_result.model))
+            confirmation["final_error_after_substitution"] = after["final"]
+            confirmation["detail_before"] = final
+            confirmation["detail_after"] = after
+            cands = [{"scope": out.units[u].scope, "name": out.units[u].name,
+                      "direction": out.units[u].direction} for u in out.finding.candidates]
+            notes += substitution_notes(confirmation, cands)
+    else:
+        confirmation["detail_before"] = final
+    wall_s = time.perf_counter() - started
+    cost = {"dut_runs": dut_runs, "ref_runs": 1,
+            "forward_equivalents": round(fwd_cost * (dut_runs - 1) + 1.0 + fwd_cost
+                                         + out.replayed_ops / out.forward_ops, 2),
+            "units_isolated": out.finding.queries, "ops_replayed": out.replayed_ops,
+            "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3),
+            "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
+            "plain_forward_s": round(plain_forward_s, 6),
+            "wall_over_forward": round(wall_s / plain_forward_s, 1) if plain_forward_s > 0 else None}
+    return assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes)

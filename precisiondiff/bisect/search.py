@@ -1,0 +1,228 @@
+"""The bisect search as a pure state machine: which unit to isolate next, and what the answer is.
+
+No torch here. The torch side (:mod:`precisiondiff.bisect.engine`) builds the unit tree from a
+capture, asks :meth:`Search.next_query` which unit to isolate, isolates it on the reference and
+feeds the :class:`Judgement` back with :meth:`Search.record`, until ``next_query`` returns
+``None``; then :meth:`Search.result` says what was found.
+
+The rules (docs/bisect.md, "How the culprit is chosen"):
+
+* Units are visited in execution order: forward before backward, then by sequence number.
+  A module's sequence number is the moment it *finished*, so its ops and submodules come
+  before it.
+* An **op** offends when it is replayable and over its budget.
+* A **module** offends when it is replayable, no unit inside it offends, and either ``far`` (its local error is far beyond
+  what correctly rounded execution of its own ops explains: a fault in how the module composes
+  correct ops, e.g. a custom autograd backward wrong only in low precision), or ``over`` and it
+  is the innermost replayable module around an op that could not be replayed (that op cannot be
+  judged on its own, so the fault is localized to the module).
+* The culprit is the first offending unit in that order; the next offending ones are reported
+  as further candidates. Every op is isolated (about one forward of work), so no op culprit can
+  hide inside a module that happens to stay within its own budget.
+* Phases: first every op, in execution order (stopping once the culprit and ``max_candidates``
+  more offending ops are known); then modules **top-down**: the top-level module calls, and the
+  children of every module that is ``over`` (or not replayable, or around an unreplayable op).
+  A module within what rounding explains is not descended into: a module-level fault inside it
+  would have shown in its own error (the assumption property tests encode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["Unit", "Judgement", "Finding", "Search", "DIRECTIONS"]
+
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One isolatable unit: a module call or an op call.
+
+    Attributes:
+        uid: unique id; its execution position (the capture's ``seq``).
+        kind: ``"op"`` or ``"module"``.
+        direction: ``"forward"`` or ``"backward"``.
+        parent: uid of the innermost module call containing it (same direction), or None.
+    """
+
+    uid: int
+    kind: str
+    direction: str = "forward"
+    parent: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What isolating one unit on the reference found.
+
+    Attributes:
+        replayable: the unit could be re-executed on the reference.
+        over: its local error exceeds its budget (ops), or exceeds what correctly rounded
+            execution of its ops explains (modules).
+        far: modules only: the local error is far beyond that (see the module docstring).
+    """
+
+    replayable: bool = True
+    over: bool = False
+    far: bool = False
+
+
+@dataclass
+class Finding:
+    """The answer of a search.
+
+    Attributes:
+        culprit: uid of the first offending unit, or None.
+        candidates: the offending units after the culprit, in order (at most ``max_candidates``).
+        path: uids of the modules enclosing the culprit, outermost first.
+        unresolved: uids of ops that could not be replayed and have no replayable module
+            around them.
+        queries: how many units were isolated.
+    """
+
+    culprit: Optional[int] = None
+    candidates: List[int] = field(default_factory=list)
+    path: List[int] = field(default_factory=list)
+    unresolved: List[int] = field(default_factory=list)
+    queries: int = 0
+
+
+def _order_key(unit: Unit) -> Tuple[int, int]:
+    return (DIRECTIONS.index(unit.direction) if unit.direction in DIRECTIONS else len(DIRECTIONS),
+            unit.uid)
+
+
+class Search:
+    """Isolate ops in execution order, then modules top-down; the culprit is the first
+    offending unit in execution order.
+
+    Args:
+        units: every unit of the run (any order; parents must be among them or None).
+        max_candidates: offending units to find after the culprit before stopping.
+
+    Example:
+        >>> s = Search([Unit(0, "op", parent=1), Unit(1, "module")])
+        >>> while (uid := s.next_query()) is not None:
+        ...     s.record(uid, Judgement(over=(uid == 0)))
+        >>> s.result().culprit
+        0
+    """
+
+    def __init__(self, units: Sequence[Unit], *, max_candidates: int = 3) -> None:
+        self.units: Dict[int, Unit] = {u.uid: u for u in units}
+        if len(self.units) != len(units):
+            raise ValueError("unit ids must be unique")
+        for u in units:
+            if u.kind not in ("op", "module"):
+                raise ValueError(f"unit {u.uid}: kind must be 'op' or 'module', not {u.kind!r}")
+            if u.parent is not None and (u.parent not in self.units or self.units[u.parent].kind != "module"):
+                raise ValueError(f"unit {u.uid}: parent {u.parent} is not a module unit")
+        self.max_candidates = max_candidates
+        self.children: Dict[Optional[int], List[int]] = {}
+        for u in sorted(units, key=_order_key):
+            if u.kind == "module":
+                self.children.setdefault(u.parent, []).append(u.uid)
+        self._ops = [u.uid for u in sorted(units, key=_order_key) if u.kind == "op"]
+        self._op_pos = 0
+        self._op_offending: List[int] = []
+        self._queue: List[int] = list(self.children.get(None, []))
+        self._queued = set(self._queue)
+        self.judgements: Dict[int, Judgement] = {}
+        self._holds_unreplayable: Dict[int, bool] = {}
+        self._forced: set = set()  # modules around unreplayable ops: always judged
+        self._unresolved: List[int] = []
+
+    # -- the state machine -----------------------------------------------------------------
+    def _ops_done(self) -> bool:
+        return self._op_pos >= len(self._ops) or len(self._op_offending) > self.max_candidates
+
+    def next_query(self) -> Optional[int]:
+        """The uid of the unit to isolate next, or None when the search is over."""
+        if not self._ops_done():
+            return self._ops[self._op_pos]
+        if not self._queue:
+            return None
+        self._queue.sort(key=lambda uid: _order_key(self.units[uid]))
+        return self._queue[0]
+
+    def record(self, uid: int, judgement: Judgement) -> None:
+        """Feed the judgement of the unit :meth:`next_query` returned."""
+        expected = self.next_query()
+        if uid != expected:
+            raise ValueError(f"expected a judgement for unit {expected}, got {uid}")
+        unit = self.units[uid]
+        self.judgements[uid] = judgement
+        if unit.kind == "op":
+            self._op_pos += 1
+            if not judgement.replayable:
+                self._mark_unreplayable(unit)
+            elif judgement.over:
+                self._op_offending.append(uid)
+            return
+        self._queue.pop(0)
+        if not judgement.replayable:
+            self._mark_unreplayable(unit)
+        if not judgement.replayable or judgement.over or uid in self._forced:
+            for child in self.children.get(uid, []):
+                if child not in self._queued:
+                    self._queued.add(child)
+                    self._queue.append(child)
+
+    def _mark_unreplayable(self, unit: Unit) -> None:
+        """Hand an unreplayable unit to its innermost replayable ancestor; force the descent
+        to reach that ancestor."""
+        if unit.parent is None:
+            self._unresolved.append(unit.uid)
+            return
+        self._holds_unreplayable[unit.parent] = True
+        parent: Optional[int] = unit.parent
+        while parent is not None:
+            self._forced.add(parent)
+            parent = self.units[parent].parent
+        # enqueue the forced chain's top-level entry if the descent already passed it by
+        chain = []
+        parent = unit.parent
+        while parent is not None:
+            chain.append(parent)
+            parent = self.units[parent].parent
+        for mod in chain:
+            if mod in self.judgements and mod not in self._queue:
+                for child in self.children.get(mod, []):
+                    if child not in self._queued:
+                        self._queued.add(child)
+                        self._queue.append(child)
+
+    def _module_offends(self, uid: int) -> bool:
+        j = self.judgements[uid]
+        if not j.replayable:
+            return False
+        return j.far or (j.over and self._holds_unreplayable.get(uid, False))
+
+    def offending(self) -> List[int]:
+        """Every offending unit found so far, in execution order. A module whose error is
+        explained by an offending unit inside it is not itself offending."""
+        mods = [u for u, j in self.judgements.items() if self.units[u].kind == "module" and self._module_offends(u)]
+        covered = set()
+        for uid in self._op_offending + mods:
+            parent = self.units[uid].parent
+            while parent is not None:
+                covered.add(parent)
+                parent = self.units[parent].parent
+        found = self._op_offending + [m for m in mods if m not in covered]
+        return sorted(found, key=lambda uid: _order_key(self.units[uid]))
+
+    def result(self) -> Finding:
+        """What the search found (complete once :meth:`next_query` returns None)."""
+        found = self.offending()
+        culprit = found[0] if found else None
+        path: List[int] = []
+        if culprit is not None:
+            parent = self.units[culprit].parent
+            while parent is not None:
+                path.append(parent)
+                parent = self.units[parent].parent
+            path.reverse()
+        unresolved = list(self._unresolved)
+        return Finding(culprit=culprit, candidates=found[1:1 + self.max_candidates], path=path,
+                       unresolved=unresolved, queries=len(self.judgements))

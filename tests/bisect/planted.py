@@ -1,0 +1,174 @@
+"""Planted-bug models for the bisect tests (dims <= 64, built on the CPU in float32)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from precisiondiff import Workload
+
+
+# -- (2) a fused softmax whose bf16 path accumulates the denominator in bf16 -------------------
+@torch.library.custom_op("pdtest::fused_softmax", mutates_args=())
+def fused_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if x.dtype == torch.bfloat16:
+        e = torch.exp(x.float() - x.float().amax(dim, keepdim=True)).to(x.dtype)
+        acc = torch.zeros_like(e.select(dim, 0))
+        for i in range(e.shape[dim]):
+            acc = acc + e.select(dim, i)
+        return (e / acc.unsqueeze(dim)).to(x.dtype)
+    return torch.softmax(x, dim)
+
+
+@fused_softmax.register_fake
+def _(x, dim):
+    return torch.empty_like(x)
+
+
+class SoftmaxAttn(nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-2, -1) / 8.0
+        return self.out(fused_softmax(s, -1) @ x)
+
+
+def softmax_workload() -> Workload:
+    model = nn.Sequential(nn.Linear(64, 64), SoftmaxAttn(64), nn.Linear(64, 16))
+    return Workload(model, torch.randn(2, 64, 64))
+
+
+# -- (3) a custom autograd.Function whose backward is wrong only in bf16 ----------------------
+class _ScaleFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        gx = grad * w
+        if grad.dtype == torch.bfloat16:
+            gx = gx * 1.25  # the bug: a stale scale factor on the low-precision path
+        return gx, (grad * x).sum(0)
+
+
+class Scale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(dim) + 0.5)
+
+    def forward(self, x):
+        return _ScaleFn.apply(x, self.weight)
+
+
+class ScaleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 32)
+        self.scale = Scale(32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(self.scale(torch.tanh(self.fc1(x))))
+
+
+def bad_backward_workload() -> Workload:
+    return Workload(ScaleNet(), torch.randn(16, 32), loss=lambda y: y.float().pow(2).mean())
+
+
+# -- (4) an early kernel error that a later, correct op amplifies ------------------------------
+@torch.library.custom_op("pdtest::sloppy_scale", mutates_args=())
+def sloppy_scale(x: torch.Tensor, s: float) -> torch.Tensor:
+    if x.dtype == torch.bfloat16:
+        return (x.float() * s * (1 + 2 ** -5)).to(x.dtype)  # a few ulps off
+    return x * s
+
+
+@sloppy_scale.register_fake
+def _(x, s):
+    return torch.empty_like(x)
+
+
+class Amplify(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        a = self.fc(x)
+        b = sloppy_scale(a, 1.0)
+        c = (b - a) + 0.01 * a  # cancellation: b - a should be exactly 0
+        return self.head(c)
+
+
+def amplify_workload() -> Workload:
+    return Workload(Amplify(), torch.randn(8, 32))
+
+
+# -- (5) controls ---------------------------------------------------------------------------
+def mlp_workload() -> Workload:
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 8))
+    return Workload(model, torch.randn(16, 32), loss=lambda y: y.float().pow(2).mean())
+
+
+class Cancel(nn.Module):
+    """a(x) - b(x) with b's weights within 1e-3 of a's: catastrophic cancellation."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight + 1e-3 * torch.randn_like(self.a.weight))
+            self.b.bias.copy_(self.a.bias)
+
+    def forward(self, x):
+        return self.a(x) - self.b(x)
+
+
+def ill_conditioned_workload() -> Workload:
+    model = nn.Sequential(nn.Linear(16, 32), Cancel())
+    return Workload(model, torch.randn(16, 16), loss=lambda y: y.float().pow(2).mean())
+
+
+# -- (6) a vendor op with no float64 implementation ------------------------------------------
+@torch.library.custom_op("pdtest::vendor_rms_norm", mutates_args=())
+def vendor_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float64:
+        raise RuntimeError("vendor_rms_norm: float64 is not supported by this kernel")
+    if x.dtype == torch.bfloat16:
+        acc = torch.zeros(x.shape[:-1], dtype=x.dtype)
+        for i in range(x.shape[-1]):
+            acc = acc + x[..., i] * x[..., i]
+        return x * torch.rsqrt(acc / x.shape[-1] + 1e-6).unsqueeze(-1) * weight
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+@vendor_rms_norm.register_fake
+def _(x, weight):
+    return torch.empty_like(x)
+
+
+def vendor_reference(x, weight):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+class VendorNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return vendor_rms_norm(x, self.weight)
+
+
+def vendor_workload() -> Workload:
+    model = nn.Sequential(nn.Linear(64, 64), VendorNorm(64), nn.Linear(64, 16))
+    return Workload(model, 3.0 + torch.randn(32, 64))

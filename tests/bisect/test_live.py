@@ -1,0 +1,71 @@
+"""Live bisect on planted-bug models: the exact culprit, or the verdict."""
+from __future__ import annotations
+
+import pytest
+
+from precisiondiff.bisect import BisectResult, bisect
+
+from . import planted
+
+EXAMPLE = "examples/tiny_transformer.py"
+
+
+def _culprit(r: BisectResult) -> tuple:
+    c = r.culprit
+    return (c["kind"], c["scope"], c["name"], c["direction"]) if c else None
+
+
+def test_fused_rms_norm_bf16_accumulation_is_named():
+    r = bisect(f"{EXAMPLE}:build_with_bug", target="cpu/bf16")
+    assert r.verdict == "kernel"
+    assert _culprit(r) == ("op", "blocks.0.norm1", "pdexample.fused_rms_norm.default", "forward")
+    assert [p["scope"] for p in r.path] == ["", "blocks.0", "blocks.0.norm1"]
+    assert r.evidence["upstream_passed"] == r.evidence["upstream_units"]
+    assert r.confirmation["final_error_after_substitution"] < r.confirmation["final_error_before"]
+    json = r.to_json()
+    assert list(json)[:8] == ["verdict", "dut", "ref", "culprit", "path", "confirmation", "cost", "candidates"]
+    assert set(json["cost"]) >= {"dut_runs", "ref_runs", "forward_equivalents"}
+
+
+def test_fused_softmax_bf16_accumulation_is_named():
+    r = bisect(planted.softmax_workload, target="cpu/bf16")
+    assert _culprit(r) == ("op", "1", "pdtest.fused_softmax.default", "forward")
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_autograd_function_wrong_backward_blames_its_module():
+    r = bisect(planted.bad_backward_workload, target="cpu/bf16")
+    assert r.verdict == "kernel"
+    assert _culprit(r) == ("module", "scale", "Scale", "backward")
+    assert r.confirmation["final_error_after_substitution"] < 0.1 * r.confirmation["final_error_before"]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_direction_forward_skips_the_backward_culprit():
+    r = bisect(planted.bad_backward_workload, target="cpu/bf16", direction="forward")
+    assert r.verdict != "kernel"
+
+
+def test_early_error_amplified_later_names_the_early_op():
+    r = bisect(planted.amplify_workload, target="cpu/bf16")
+    assert _culprit(r) == ("op", "", "pdtest.sloppy_scale.default", "forward")
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("factory", [planted.mlp_workload, planted.ill_conditioned_workload])
+def test_plain_pytorch_controls_are_never_kernel(factory):
+    r = bisect(factory, target="cpu/bf16")
+    assert r.verdict in ("parity", "accumulated"), r.culprit
+    assert r.exit_code == (0 if r.verdict == "parity" else 1)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_ill_conditioned_control_is_accumulated():
+    r = bisect(planted.ill_conditioned_workload, target="cpu/bf16")
+    assert r.verdict == "accumulated"
+    assert r.growth and r.final_error > r.parity_bound
+
+
+def test_clean_example_forward_is_not_kernel():
+    r = bisect(f"{EXAMPLE}:build", target="cpu/bf16", direction="forward")
+    assert r.verdict in ("parity", "accumulated"), r.culprit
