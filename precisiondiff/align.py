@@ -28,7 +28,7 @@ from .errors import AlignmentError
 
 __all__ = ["EventRef", "Pair", "Alignment", "align_events", "check_same_structure"]
 
-# Below this fraction of matched events (on the smaller side) the dumps are declared to hold
+# Below this fraction of matched events (of the larger side) the dumps are declared to hold
 # different models rather than compared into hundreds of meaningless unmatched rows.
 MIN_MATCHED_FRACTION = 0.5
 
@@ -161,7 +161,7 @@ def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = 
         unmatched list of its side.
 
     Raises:
-        AlignmentError: ``check`` and fewer than half of the smaller side's events match.
+        AlignmentError: ``check`` and fewer than half of the larger side's events match.
 
     Example:
         >>> ev = lambda i, n: EventRef(i, i, "op", "", n, "forward")
@@ -217,21 +217,22 @@ def check_same_structure(a: Sequence[EventRef], b: Sequence[EventRef], pairs: It
 
     Raises:
         AlignmentError: different training steps, or fewer than ``MIN_MATCHED_FRACTION`` of
-            the smaller side's events matched (naming the first event that differs).
+            the larger side's events matched (naming the first event that differs).
     """
     steps_a, steps_b = sorted({e.step for e in a}), sorted({e.step for e in b})
     if a and b and steps_a != steps_b:
         raise AlignmentError(f"the dumps hold different training steps: A {steps_a}, B {steps_b}; "
                              "capture both with the same --steps")
     pairs = list(pairs)
-    smaller = min(len(a), len(b))
-    if smaller == 0 or len(pairs) >= MIN_MATCHED_FRACTION * smaller:
+    smaller, larger = min(len(a), len(b)), max(len(a), len(b))
+    if smaller == 0 or len(pairs) >= MIN_MATCHED_FRACTION * larger:
         return
     matched_a = {p.a for p in pairs}
     matched_b = {p.b for p in pairs}
     first_a = next((e for e in sorted(a, key=lambda e: (e.step, e.seq)) if e.index not in matched_a), None)
     first_b = next((e for e in sorted(b, key=lambda e: (e.step, e.seq)) if e.index not in matched_b), None)
     raise AlignmentError(
-        f"the dumps hold different models: only {len(pairs)} of {smaller} events match "
+        f"the dumps hold different models: only {len(pairs)} of {len(a)} (A) and {len(b)} (B) "
+        "events match "
         f"(first unmatched: A {_describe(first_a) if first_a else '-'}, "
         f"B {_describe(first_b) if first_b else '-'}); capture the same workload on both targets")

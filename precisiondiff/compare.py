@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from .align import Alignment, EventRef, align_events
-from .compare_stats import compare_stats, judge_stats, stats_error
+from .compare_stats import compare_stats, judge_stats, run_dtype, stats_error
 from .errors import AlignmentError
 
 __all__ = ["Row", "Comparison", "compare", "NOISE_FACTOR", "DEFAULT_SLOTS", "UNINITIALIZED"]
@@ -32,7 +32,7 @@ __all__ = ["Row", "Comparison", "compare", "NOISE_FACTOR", "DEFAULT_SLOTS", "UNI
 log = logging.getLogger(__name__)
 
 # A failing row is called noise when its error vs the reference is at most this many times
-# the DUT's run-to-run error on the same tensor (error = max_abs for tensors, the statistics'
+# the DUT's run-to-run error on the same tensor (error = max_abs_err for tensors, the statistics'
 # largest relative difference for stats-only dumps).
 NOISE_FACTOR = 2.0
 # Slots compared by default: what an event produces. Inputs are the outputs of earlier events
@@ -201,6 +201,7 @@ class _Judge:
         self._C = C
         self._overrides = budgets
         self._cache: Dict[Tuple[str, str], Any] = {}
+        self.run_dtype: Optional[str] = None  # the DUT run's dtype (from its target)
 
     def op_class(self, name: str) -> str:
         return str(self._C.op_class(name))
@@ -232,9 +233,12 @@ def _verdict_parts(verdict: Any) -> Tuple[bool, str]:
 
 
 def _num(m: Mapping[str, Any], *names: str) -> Optional[float]:
+    """The first metric present among ``names`` as a float (``"inf"`` strings included)."""
     for n in names:
         v = m.get(n)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if v in ("inf", "-inf", "nan"):
             return float(v)
     return None
 
@@ -312,6 +316,7 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
                              "capture both with the same --ranks and world size")
     _check_meta(dump_a.meta, dump_b.meta, dump_n.meta if dump_n else None, noise)
     judge = _Judge(budgets)
+    judge.run_dtype = run_dtype(dump_a.meta.get("target"))
     scope_re, op_re = (re.compile(scope) if scope else None), (re.compile(op) if op else None)
 
     def keep(ev: Any) -> bool:
@@ -404,7 +409,7 @@ def _unmatched_rows(ev: Any, side: str, inputs: bool) -> Iterator[Row]:
                   kind=ev.kind, direction=ev.direction, call=ev.call, slot=t.slot if t else "",
                   dtype_a=t.dtype if t and side == "a" else None,
                   dtype_b=t.dtype if t and side == "b" else None,
-                  shape=list(t.shape) if t else None, side=side, verdict="unmatched",
+                  shape=list(t.shape) if t else None, side=side, verdict="unmatched", mode="none",
                   message=f"no matching event in {other}")
 
 
@@ -420,7 +425,7 @@ def _pair_rows(da: Any, db: Any, dn: Any, ea: Any, eb: Any, en: Any, how: str, i
                   dtype_a=ra.dtype, dtype_b=None, shape=list(ra.shape), seq_b=eb.seq, match=how)
         rb = recs_b.get(ra.slot)
         if rb is None:
-            row.verdict, row.side = "unmatched", "a"
+            row.verdict, row.side, row.mode = "unmatched", "a", "none"
             row.message = f"B's {eb.name} has no slot {ra.slot}"
             yield row
             continue
@@ -446,7 +451,7 @@ def _pair_rows(da: Any, db: Any, dn: Any, ea: Any, eb: Any, en: Any, how: str, i
             yield Row(key=rb.key, seq=ea.seq, rank=eb.rank, step=eb.step, scope=eb.scope,
                       name=eb.name, kind=eb.kind, direction=eb.direction, call=eb.call,
                       slot=rb.slot, dtype_a=None, dtype_b=rb.dtype, shape=list(rb.shape),
-                      seq_b=eb.seq, side="b", verdict="unmatched",
+                      seq_b=eb.seq, side="b", verdict="unmatched", mode="none",
                       message=f"A's {ea.name} has no slot {rb.slot}")
 
 
@@ -465,13 +470,15 @@ def _judge_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: _Judge,
             return
         budget, row.op_class = judge.budget(ra.dtype, row.name)
         ok, msg = _verdict_parts(budget.judge_metrics(tm))
-        row.error = _num(m, "diff2", "rel_l2", "norm_rel", "mean_rel", "max_rel")
+        row.error = _num(m, "diff2")
+        if row.error is None and (m.get("nan_mismatch") or m.get("inf_mismatch")):
+            row.error = math.nan
         row.ulp = _num(m, "max_ulp")
     else:
         row.mode = "stats"
         m = compare_stats(ra.stats, rb.stats)
         row.metrics = m
-        ok, msg = judge_stats(m, ra.dtype, key=ra.key)
+        ok, msg = judge_stats(m, ra.dtype, key=ra.key, run_dtype=judge.run_dtype)
         row.error = stats_error(m)
     row.verdict = "pass" if ok else "fail"
     row.message = "" if ok else msg
@@ -481,7 +488,7 @@ def _apply_noise(row: Row, da: Any, dn: Any, ra: Any, rn: Any, device: Optional[
     if ra.has_data and rn.has_data and row.mode == "tensors":
         nm = _compare_tensor_pair(da, dn, ra, rn, device)
         noise_m = nm if isinstance(nm, dict) else dict(nm.to_dict())
-        err, floor = _num(row.metrics, "max_abs"), _num(noise_m, "max_abs")
+        err, floor = _num(row.metrics, "max_abs_err"), _num(noise_m, "max_abs_err")
     else:
         noise_m = compare_stats(ra.stats, rn.stats)
         err, floor = stats_error(row.metrics), stats_error(noise_m)
@@ -531,7 +538,7 @@ def _determinism(rows: List[Row], target: Any) -> Dict[str, Any]:
     compared = [r for r in rows if r.verdict != "unmatched"]
     known = [r for r in compared if r.bitwise is not None or r.mode == "tensors"]
     differing = [r for r in known if not (r.bitwise or (r.bitwise is None and not r.error))]
-    floor = [{"key": r.key, "seq": r.seq, "error": r.error, "max_abs": r.metrics.get("max_abs"),
+    floor = [{"key": r.key, "seq": r.seq, "error": r.error, "max_abs_err": r.metrics.get("max_abs_err"),
               "max_ulp": r.ulp} for r in differing]
     return {"target": target, "bitwise": not differing and bool(known),
             "checked": len(known), "nondeterministic": len(differing), "noise_floor": _finite(floor)}
