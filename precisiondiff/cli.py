@@ -112,6 +112,9 @@ cli.add_command(_report, "report")
 cli.add_command(_scan, "scan")
 
 
+from .cli_bisect import bisect as _bisect; cli.add_command(_bisect)  # noqa: E402,E702
+
+
 def main(argv: Optional[list] = None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="precisiondiff")

@@ -1,0 +1,51 @@
+"""The terminal summary of a bisect: read in ten seconds."""
+from __future__ import annotations
+
+from typing import List
+
+from .result import BisectResult
+
+__all__ = ["summary_lines"]
+
+
+def _num(x) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
+def summary_lines(r: BisectResult) -> List[str]:
+    """The culprit, its local error vs budget, evidence, substitution, cost."""
+    lines = [f"bisect {r.dut} vs {r.ref}: {r.verdict.upper()}"]
+    c = r.culprit
+    if c:
+        where = c["scope"] or "<root>"
+        lines.append(f"culprit: {c['kind']} {c['name']} in {where} ({c['direction']}, call {c['call']})")
+        loc, bud = c.get("local", {}), c.get("budget", {})
+        if c["kind"] == "op":
+            lines.append(f"  local error: max {_num(loc.get('max_ulp_error', loc.get('max_ulp')))} ULP, "
+                         f"max rel {_num(loc.get('max_rel_err', loc.get('max_rel')))}; budget "
+                         f"{bud.get('op_class', '?')} {bud.get('dtype', '')} max_ulp={_num(bud.get('max_ulp', bud.get('rounding_ulps')))}")
+        else:
+            lines.append(f"  local error {_num(loc.get('rel_l2'))} rel-L2 = {_num(loc.get('ratio_to_rounding'))}x "
+                         f"what correct rounding of its ops gives ({_num(loc.get('rel_l2_emulated'))})")
+        if c.get("message"):
+            lines.append(f"  {c['message'].splitlines()[0]}")
+        ev = r.evidence
+        lines.append(f"  inputs trusted: {ev.get('upstream_passed', 0)}/{ev.get('upstream_units', 0)} "
+                     "units before it passed in isolation")
+        if r.path:
+            lines.append("  path: " + " > ".join(p["scope"] or "<root>" for p in r.path))
+        conf = r.confirmation
+        if conf.get("final_error_after_substitution") is not None:
+            lines.append(f"substitution: final error {_num(conf['final_error_before'])} -> "
+                         f"{_num(conf['final_error_after_substitution'])}")
+    else:
+        lines.append(f"final error {_num(r.final_error)} (parity bound {_num(r.parity_bound)}); no unit over budget")
+        for g in r.growth[:3]:
+            lines.append(f"  error grows in {g['scope'] or '<root>'} ({g['direction']}): local rel-L2 "
+                         f"{_num(g['local'].get('rel_l2'))}")
+    for n in r.notes:
+        lines.append(f"note: {n}")
+    cost = r.cost
+    lines.append(f"cost: {cost.get('dut_runs')} DUT runs, {cost.get('ref_runs')} reference runs, "
+                 f"{_num(cost.get('forward_equivalents'))} forward-equivalents, {_num(cost.get('wall_s'))} s")
+    return lines
