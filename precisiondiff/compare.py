@@ -469,7 +469,7 @@ def _judge_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: _Judge,
                 row.message = f"{ra.key}: {m['mismatched']} of {m['numel']} elements differ"
             return
         budget, row.op_class = judge.budget(ra.dtype, row.name)
-        ok, msg = _verdict_parts(budget.judge_metrics(tm))
+        ok, msg = _verdict_parts(budget.judge_metrics(tm, what=ra.key))
         row.error = _num(m, "diff2")
         if row.error is None and (m.get("nan_mismatch") or m.get("inf_mismatch")):
             row.error = math.nan
