@@ -6,7 +6,7 @@ from typing import Any, Callable, Tuple
 
 import click
 
-__all__ = ["Option", "CAPTURE_OPTIONS", "click_options"]
+__all__ = ["Option", "CAPTURE_OPTIONS", "PYTEST_OPTIONS", "click_options", "pytest_options"]
 
 
 @dataclass(frozen=True)
@@ -19,10 +19,16 @@ class Option:
     choices: Tuple[str, ...] = ()
     type: Any = str
     is_flag: bool = False
+    negatable: bool = False  # a boolean flag with a ``--no-`` form: --bisect/--no-bisect
 
     @property
     def dest(self) -> str:
         return self.flags[0].lstrip("-").replace("-", "_")
+
+    def renamed(self, flag: str, **changes: Any) -> "Option":
+        """The same option under another long flag (the pytest plugin prefixes ``--parity-``)."""
+        from dataclasses import replace
+        return replace(self, flags=(flag,), **changes)
 
 
 TARGET = Option(("--target", "-t"), None, "device under test, DEVICE[/DTYPE][+autocast]; default: first "
@@ -41,7 +47,40 @@ STEPS = Option(("--steps",), None, "steps to record, e.g. 0 or 0,2-4 (default: s
                "every step of a script)")
 RANKS = Option(("--ranks",), None, "ranks to record, e.g. 0 or 0-3 (default: all)")
 
+DUMP_DIR = Option(("--dump-dir",), None, "keep the dumps (DUT and reference) of failing checks here, "
+                  "for `precisiondiff report`")
+BISECT = Option(("--bisect",), True, "on a parity failure, bisect to the culprit op and report it",
+                type=bool, is_flag=True, negatable=True)
+
 CAPTURE_OPTIONS = (TARGET, LEVEL, MODE, FORMAT, SEED, SCOPE, SCOPE_EXCLUDE, OP, OP_EXCLUDE, STEPS, RANKS)
+
+
+# The pytest plugin's options: the shared ones under the --parity- prefix, in one option group.
+PYTEST_OPTIONS = (
+    TARGET.renamed("--parity-target"),
+    REF.renamed("--parity-ref"),
+    DUMP_DIR.renamed("--parity-dump-dir"),
+    BISECT.renamed("--parity-bisect"),
+    SEED.renamed("--parity-seed"),
+)
+
+
+def pytest_options(group: Any, *options: Option) -> None:
+    """Add options to a pytest option group (``parser.getgroup(...)``)."""
+    for opt in options:
+        if opt.is_flag:
+            group.addoption(*opt.flags, action="store_true", dest=opt.dest, default=opt.default,
+                            help=opt.help)
+            if opt.negatable:
+                group.addoption("--no-" + opt.flags[0].lstrip("-"), action="store_false",
+                                dest=opt.dest, help=f"do not: {opt.help}")
+            continue
+        kwargs: dict = {"dest": opt.dest, "default": opt.default, "help": opt.help}
+        if opt.choices:
+            kwargs["choices"] = opt.choices
+        if opt.type is not str:
+            kwargs["type"] = opt.type
+        group.addoption(*opt.flags, **kwargs)
 
 
 def click_options(*options: Option) -> Callable[[Callable], Callable]:
@@ -51,6 +90,10 @@ def click_options(*options: Option) -> Callable[[Callable], Callable]:
             kwargs: dict = {"default": opt.default, "help": opt.help, "show_default": opt.default is not None}
             if opt.choices:
                 kwargs["type"] = click.Choice(opt.choices)
+            elif opt.is_flag and opt.negatable:
+                name = opt.flags[0].lstrip("-")
+                fn = click.option(f"--{name}/--no-{name}", opt.dest, **kwargs)(fn)
+                continue
             elif opt.is_flag:
                 kwargs["is_flag"] = True
             else:

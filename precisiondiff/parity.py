@@ -1,0 +1,498 @@
+"""Parity checks: run a workload (or one op) on a DUT and a reference and judge the difference.
+
+This is the library behind the pytest ``parity`` fixture and :func:`precisiondiff.testing.assert_parity`.
+
+Rules (the same final-output rule bisect uses for its ``parity`` verdict):
+
+* **Workloads**: every floating output, the loss and the parameter gradients (all gradients as
+  one vector) are judged by their relative L2 error ``||dut - ref||_2 / ||ref||_2`` (in float64)
+  against ``rel_l2`` (default ``PARITY_FACTOR * u``, ``u`` the unit roundoff of the DUT dtype:
+  bf16 ``8 * 2**-8 = 0.031``). ``max_ulp`` adds a per-element bound in ULPs of the DUT dtype,
+  ``min_cosine`` a bound on cosine similarity. A NaN/Inf where the reference is finite fails.
+* **Ops** (:func:`check_op`): the reference runs on the DUT's own inputs upcast to the reference
+  dtype, so only the op's arithmetic is measured. Each floating output is judged by the
+  comparators' budget for its dtype and op class (condition-aware for matmuls and sums, whose
+  magnitude is the op applied to ``|inputs|``), or by ``max_ulp`` when given: the ULP distance
+  in the DUT dtype between the DUT's result and the reference rounded to that dtype.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .errors import PrecisionDiffError
+from .targets import Target, default_dut, default_ref, dtype_name, move_inputs
+from .workload import Workload, call_model, load_workload, run_workload
+
+__all__ = ["PARITY_FACTOR", "BUDGET_KEYS", "TensorCheck", "ParityResult", "check", "check_op",
+           "as_workload"]
+
+log = logging.getLogger(__name__)
+
+PARITY_FACTOR = 8.0  # final relative L2 error allowed, in unit roundoffs of the DUT dtype
+BUDGET_KEYS = ("rel_l2", "max_ulp", "min_cosine")
+
+
+# ---- measuring and judging: the comparators do both ------------------------------------------
+def _metrics(actual: torch.Tensor, expected: torch.Tensor) -> Dict[str, Any]:
+    """``compare_tensors`` as a plain dict; ``rel_l2`` is its ``diff2`` (relative L2 error)."""
+    import dataclasses
+    from .comparators import compare_tensors
+    m = compare_tensors(actual.detach(), expected.detach())
+    raw = m.to_dict() if hasattr(m, "to_dict") else dataclasses.asdict(m)
+    out = {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    out["rel_l2"] = out.get("diff2")
+    return out
+
+
+def _budget(name: str, dtype: torch.dtype, max_ulp: Optional[float] = None) -> Any:
+    from .comparators import budget_for
+    overrides = {"*": {"max_ulp": max_ulp}} if max_ulp is not None else None
+    return budget_for(dtype, name, overrides=overrides)
+
+
+def _budget_dict(budget: Any) -> Dict[str, Any]:
+    return {"op_class": budget.op_class, "max_ulp": budget.max_ulp, "rounding_ulps": budget.rounding_ulps,
+            "accum_factor": budget.accum_factor, "accum_dtype": budget.accum_dtype}
+
+
+# ---- results -------------------------------------------------------------------------------
+@dataclass
+class TensorCheck:
+    """One judged tensor: the metrics, the bound applied and, on failure, the mismatch message."""
+
+    key: str
+    passed: bool
+    metrics: Dict[str, Any]
+    bound: Dict[str, Any]
+    message: str = ""
+
+
+@dataclass
+class ParityResult:
+    """The outcome of a parity check.
+
+    Attributes:
+        name: the workload or op checked.
+        target, ref: the DUT and reference targets, as strings.
+        checks: one :class:`TensorCheck` per judged tensor (outputs, loss, gradients).
+        bisect: the bisect result on failure (``to_json()`` dict), when bisect ran.
+        dumps: directories of the kept dumps (``{"dut": ..., "ref": ...}``), when kept.
+    """
+
+    name: str
+    target: str
+    ref: str
+    checks: List[TensorCheck] = field(default_factory=list)
+    bisect: Optional[Dict[str, Any]] = None
+    bisect_error: str = ""
+    dumps: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def failures(self) -> List[TensorCheck]:
+        return [c for c in self.checks if not c.passed]
+
+    def __getitem__(self, key: str) -> TensorCheck:
+        for c in self.checks:
+            if c.key == key:
+                return c
+        raise KeyError(key)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"name": self.name, "target": self.target, "ref": self.ref, "passed": self.passed,
+                "checks": [{"key": c.key, "passed": c.passed, "metrics": c.metrics, "bound": c.bound}
+                           for c in self.checks],
+                "bisect": self.bisect, "dumps": self.dumps}
+
+    def report(self) -> str:
+        """A compact failure report: the table, the first divergence, the culprit, the hint."""
+        head = f"parity {'passed' if self.passed else 'FAILED'}: {self.name} on {self.target} vs {self.ref}"
+        lines = [head, f"  {'tensor':<20} {'rel_l2':>9} {'max ULP':>9}  {'bound':<40} verdict"]
+        for c in self.checks:
+            m = c.metrics
+            bound = ", ".join(f"{k}<={_fmt(v)}" if k != "min_cosine" else f"cos>={_fmt(v)}"
+                              for k, v in c.bound.items() if isinstance(v, (int, float)))
+            ulp = m.get("max_ulp_error", m.get("max_ulp"))
+            lines.append(f"  {c.key:<20} {_fmt(m.get('rel_l2')):>9} {_fmt(ulp):>9}  {bound:<40} "
+                         f"{'ok' if c.passed else 'FAIL'}")
+        failures = self.failures
+        if failures:
+            lines.append(f"first divergence: {failures[0].key}")
+            lines.extend(_culprit_lines(self.bisect, self.bisect_error))
+            lines.append(failures[0].message)
+        if self.dumps:
+            lines.append(f"dumps kept: precisiondiff report {self.dumps.get('dut')} {self.dumps.get('ref')} "
+                         "-o report.html")
+        return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e6:
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+def _culprit_lines(bisect: Optional[Dict[str, Any]], error: str) -> List[str]:
+    if bisect is None:
+        return [f"culprit: not searched ({error})" if error else
+                "culprit: not searched (run with --parity-bisect, or `precisiondiff bisect`)"]
+    verdict, culprit = bisect.get("verdict"), bisect.get("culprit")
+    if not culprit:
+        return [f"culprit: none (bisect verdict: {verdict}: no single op exceeds its budget; "
+                "rounding error accumulates)"]
+    lines = [f"culprit ({verdict}): {culprit.get('kind')} {culprit.get('name')} in scope "
+             f"{culprit.get('scope') or '<root>'!r} ({culprit.get('direction')})"]
+    local, budget = culprit.get("local") or {}, culprit.get("budget") or {}
+    shown = {k: local[k] for k in ("max_ulp", "mean_ulp", "max_rel", "rel_l2", "fraction_over")
+             if isinstance(local.get(k), (int, float))}
+    lines.append("  local error: " + (", ".join(f"{k} {_fmt(v)}" for k, v in shown.items()) or "-")
+                 + "  vs budget: " + (", ".join(f"{k} {_fmt(v)}" for k, v in budget.items()
+                                                 if isinstance(v, (int, float)) and not isinstance(v, bool)) or "-"))
+    conf = bisect.get("confirmation") or {}
+    if conf.get("final_error_before") is not None:
+        lines.append(f"  substitution: final error {_fmt(conf.get('final_error_before'))} -> "
+                     f"{_fmt(conf.get('final_error_after_substitution'))} with its golden output")
+    return lines
+
+
+# ---- judging -------------------------------------------------------------------------------
+def _bounds(dtype: torch.dtype, budgets: Dict[str, Any]) -> Dict[str, Any]:
+    unknown = set(budgets) - set(BUDGET_KEYS)
+    if unknown:
+        raise PrecisionDiffError(f"unknown budget {', '.join(sorted(unknown))}: use "
+                                 f"{', '.join(BUDGET_KEYS)}")
+    bound = {k: float(v) for k, v in budgets.items() if v is not None}
+    return bound
+
+
+def _judge(key: str, actual: torch.Tensor, expected: torch.Tensor, bound: Dict[str, Any]) -> TensorCheck:
+    """End-to-end judgement of one tensor: ``rel_l2``, and ``max_ulp``/``min_cosine`` if given.
+
+    The per-element part (worst element, ULP error, the message) is the comparators' verdict.
+    """
+    m = _metrics(actual, expected)
+    verdict = _budget("unknown", actual.dtype, bound.get("max_ulp", 1e300)).check(
+        actual.detach(), expected.detach(), what=key)
+    problems = []
+    if m.get("nan_mismatch") or m.get("inf_mismatch"):
+        problems.append(f"{m.get('nan_mismatch')} NaN and {m.get('inf_mismatch')} Inf mismatches")
+    rel = m.get("rel_l2")
+    if "rel_l2" in bound and rel is not None and not rel <= bound["rel_l2"]:
+        problems.append(f"relative L2 error {_fmt(rel)} exceeds rel_l2 {_fmt(bound['rel_l2'])}")
+    if "max_ulp" in bound and not verdict.passed:
+        problems.append(f"{verdict.n_over} elements exceed max_ulp {_fmt(bound['max_ulp'])}")
+    cos = m.get("cosine_similarity")
+    if "min_cosine" in bound and cos is not None and not cos >= bound["min_cosine"]:
+        problems.append(f"cosine similarity {cos:.6g} is below min_cosine {_fmt(bound['min_cosine'])}")
+    if not problems:
+        return TensorCheck(key, True, m, bound)
+    worst = verdict.message.splitlines()[1] if len(verdict.message.splitlines()) > 1 else ""
+    where = f"Worst at index {verdict.worst_index}" if verdict.worst_index is not None else "Worst"
+    if "max_ulp" not in bound:  # the verdict judged nothing: only its worst element is shown
+        worst = (f"{where}: actual {verdict.worst_actual!r}, golden {verdict.worst_golden!r}: abs err "
+                 f"{verdict.worst_abs_err:.3g}, rel err {verdict.worst_rel_err:.3g}, "
+                 f"{verdict.worst_ulp_error:.3g} ULP.")
+    over = int((_ulp_errors(actual, expected) > 1).sum())
+    n = m.get("numel", actual.numel())
+    message = (f"{key}: {over} of {n} elements ({100.0 * over / max(n, 1):.3g}%) are more than 1 ULP of "
+               f"{dtype_name(actual.dtype)} off; " + "; ".join(problems) + ".\n" + worst +
+               "\nHint: run `precisiondiff bisect` on this workload to find the op whose own "
+               "arithmetic is wrong (or the check's kernels=True), or widen the budget if this error "
+               "is expected for the dtype.")
+    return TensorCheck(key, False, m, bound, message)
+
+
+def _ulp_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    from .comparators import ulp_error
+    if actual.numel() == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    err = ulp_error(actual.detach(), expected.detach().to(actual.device), actual.dtype).abs()
+    return torch.nan_to_num(err, nan=0.0)
+
+
+def _flatten(value: Any, prefix: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield prefix, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _flatten(v, f"{prefix}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _flatten(v, f"{prefix}.{i}")
+    elif hasattr(value, "logits") and isinstance(getattr(value, "logits"), torch.Tensor):
+        yield from _flatten(value.logits, f"{prefix}.logits")
+
+
+def _keyed_outputs(value: Any) -> List[Tuple[str, torch.Tensor]]:
+    pairs = list(_flatten(value, "output"))
+    if len(pairs) == 1 and pairs[0][0] in ("output.0",):
+        return [("output", pairs[0][1])]
+    return pairs
+
+
+def as_workload(workload: Any, inputs: Any = None, *, loss: Optional[Callable] = None, seed: int = 0) -> Workload:
+    """A :class:`Workload` from a Workload, a factory, a spec string, ``(model, inputs)`` or a model.
+
+    Raises:
+        WorkloadError: the factory fails or returns the wrong thing.
+    """
+    if isinstance(workload, torch.nn.Module):
+        if inputs is None:
+            raise PrecisionDiffError("check(model, inputs): pass the model's inputs too")
+        return Workload(workload, inputs, loss=loss, name=type(workload).__name__)
+    if isinstance(workload, tuple) and len(workload) == 2 and not isinstance(workload, Workload):
+        model, ins = workload
+        return Workload(model, ins, loss=loss, name=type(model).__name__)
+    built = load_workload(workload, seed=seed)
+    if loss is not None:
+        built.loss = loss
+    return built
+
+
+def _run(workload: Workload, target: Target) -> Dict[str, torch.Tensor]:
+    run = run_workload(workload, target)
+    tensors = dict(_keyed_outputs(run.output))
+    if run.loss is not None:
+        tensors["loss"] = run.loss.detach()
+        grads = [p.grad.detach().flatten() for _, p in sorted(run.model.named_parameters())
+                 if p.grad is not None]
+        if grads:
+            tensors["grad (all params)"] = torch.cat([g.to(torch.float64) for g in grads]).to(target.dtype
+                                                                                              if not target.autocast else torch.float32)
+    return {k: v.detach() for k, v in tensors.items()}
+
+
+def _capture_pair(workload: Workload, dut: Target, ref: Target, out: str) -> Dict[str, str]:
+    """Rerun both targets under capture into ``out/dut`` and ``out/ref`` (tensors mode)."""
+    from .hooks import capture
+    dirs = {}
+    for side, target in (("dut", dut), ("ref", ref)):
+        path = os.path.join(out, side)
+        model = target.prepare_model(workload.model)
+        model.train(workload.train)
+        with capture(path, model=model, mode="tensors", overwrite=True,
+                     meta={"target": str(target), "workload": workload.name}):
+            run_workload(workload, target, model=model)
+        dirs[side] = path
+    return dirs
+
+
+def _kernel_check(bisect: Dict[str, Any], direction: Optional[str]) -> TensorCheck:
+    """The ``kernels`` row: fails on a ``kernel`` verdict, with the culprit's local error."""
+    culprit = bisect.get("culprit") or {}
+    key = f"kernels ({direction})" if direction else "kernels"
+    if bisect.get("verdict") != "kernel":
+        return TensorCheck(key, True, {}, {"verdict": "no op over its own budget"})
+    local = {k: v for k, v in (culprit.get("local") or {}).items() if isinstance(v, (int, float))}
+    budget = {k: v for k, v in (culprit.get("budget") or {}).items() if isinstance(v, (int, float, str))}
+    message = culprit.get("message") or (
+        f"Op {culprit.get('name')!r} in scope {culprit.get('scope')!r} ({culprit.get('direction')}) exceeds "
+        f"its own budget on the DUT's inputs: max ULP {_fmt(local.get('max_ulp'))}, max rel "
+        f"{_fmt(local.get('max_rel'))} (allowed: {', '.join(f'{k} {_fmt(v)}' for k, v in budget.items())}).")
+    if "Hint:" not in message:
+        message += ("\nHint: `precisiondiff bisect WORKLOAD --format json` shows the evidence; check "
+                    "the kernel's accumulation precision for this dtype.")
+    return TensorCheck(key, False, local, budget, message)
+
+
+def _run_bisect(workload: Workload, dut: Target, ref: Target,
+                direction: Optional[str] = None) -> Tuple[Optional[Dict[str, Any]], str]:
+    try:
+        from .bisect import bisect as run_bisect  # type: ignore[attr-defined]
+    except ImportError:
+        return None, "bisect is not available in this build"
+    try:
+        result = run_bisect(workload, target=str(dut), ref=str(ref), direction=direction)
+    except PrecisionDiffError as err:
+        return None, f"bisect could not run: {err}"
+    data = result.to_json() if hasattr(result, "to_json") else result
+    if isinstance(data, str):
+        data = json.loads(data)
+    return data, ""
+
+
+def check(workload: Any, inputs: Any = None, *, target: "str | Target | None" = None,
+          ref: "str | Target | None" = None, loss: Optional[Callable] = None, seed: int = 0,
+          bisect: bool = True, kernels: bool = False, direction: Optional[str] = None,
+          dump_dir: Optional[str] = None, **budgets: Any) -> ParityResult:
+    """Run a workload on the DUT and the reference; judge outputs, loss and gradients.
+
+    Args:
+        workload: a :class:`Workload`, a factory returning one (or ``(model, inputs)``), a spec
+            string ``file.py:fn``, a ``(model, inputs)`` tuple, or a model (then pass ``inputs``).
+        inputs: the model's inputs when ``workload`` is a model.
+        target: the DUT (default: first available of mlu, cuda, cpu in bf16).
+        ref: the reference (default ``cpu/float64``).
+        loss: a loss on the output, enabling the backward pass (overrides the workload's).
+        seed: the seed applied before a factory runs.
+        bisect: on failure, bisect to the culprit op (when bisect is available).
+        kernels: also require every op to be within its own budget: bisect always runs and a
+            ``kernel`` verdict fails the check even when the final output is within budget
+            (a small model can hide a kernel bug that a large one amplifies).
+        direction: with ``kernels``, search ``"forward"`` or ``"backward"`` units only.
+        dump_dir: on failure, keep dumps of both runs under this directory.
+        **budgets: ``rel_l2`` (default ``PARITY_FACTOR * u``), ``max_ulp``, ``min_cosine``.
+
+    Returns:
+        The :class:`ParityResult` (falsy on failure); it never raises for a divergence.
+
+    Raises:
+        PrecisionDiffError: bad targets, budgets or workloads; an unavailable device.
+
+    Example:
+        >>> result = check("examples/tiny_transformer.py:build", target="cpu/bf16")
+        >>> result.passed
+        True
+    """
+    dut = Target.parse(target) if target is not None else default_dut()
+    golden = Target.parse(ref) if ref is not None else default_ref()
+    dut.check_available()
+    golden.check_available()
+    built = as_workload(workload, inputs, loss=loss, seed=seed)
+    bound = _bounds(dut.dtype, budgets)
+    bound.setdefault("rel_l2", PARITY_FACTOR * torch.finfo(dut.dtype).eps / 2)
+    actual, expected = _run(built, dut), _run(built, golden)
+    result = ParityResult(built.name, str(dut), str(golden))
+    for key, tensor in actual.items():
+        if key in expected:
+            result.checks.append(_judge(key, tensor, expected[key], bound))
+    if kernels:
+        result.bisect, result.bisect_error = _run_bisect(built, dut, golden, direction=direction)
+        if result.bisect is None:
+            raise PrecisionDiffError(f"kernels=True needs bisect: {result.bisect_error}")
+        result.checks.append(_kernel_check(result.bisect, direction))
+    elif not result.passed:
+        if bisect:
+            result.bisect, result.bisect_error = _run_bisect(built, dut, golden)
+        else:
+            result.bisect_error = "bisect disabled (--no-parity-bisect)"
+        if dump_dir is not None:
+            result.dumps = _capture_pair(built, dut, golden, dump_dir)
+    return result
+
+
+# ---- one op --------------------------------------------------------------------------------
+def _op_name(fn: Any) -> str:
+    if hasattr(fn, "_schema") or hasattr(fn, "overloadpacket"):
+        return str(fn)
+    module = getattr(fn, "__module__", None) or ""
+    base = getattr(fn, "__name__", type(fn).__name__)
+    if module.startswith("torch") or module == "":  # torch.exp, F.gelu: the ATen base name
+        return base
+    return f"{module}.{base}"
+
+
+def _accumulation(cls: str, inputs: Any, output: torch.Tensor) -> Optional[int]:
+    """The accumulation length ``k`` of a matmul (inner dim) or reduction (elements per output)."""
+    tensors = [t for t in _tensors(inputs) if t.is_floating_point() and t.dim() >= 1]
+    if not tensors:
+        return None
+    if cls == "matmul":
+        return max(1, max(int(t.shape[-1]) for t in tensors))
+    if cls == "reduction":
+        return max(1, max(t.numel() for t in tensors) // max(1, output.numel()))
+    return None
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _abs_inputs(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.abs() if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_abs_inputs(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _abs_inputs(v) for k, v in value.items()}
+    if isinstance(value, float):
+        return abs(value)
+    return value
+
+
+def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None" = None,
+             ref: "str | Target | None" = None, name: Optional[str] = None,
+             kwargs: Optional[Dict[str, Any]] = None, **budgets: Any) -> ParityResult:
+    """Run one function or op on the DUT and on the reference (the DUT's inputs, upcast).
+
+    Args:
+        fn: an ATen overload (``torch.ops.aten.gelu.default``), a torch function or any callable.
+        *inputs: its positional arguments; floating tensors are cast to the DUT dtype first.
+        target, ref: as in :func:`check`.
+        name: the op name used to pick its budget class (default: derived from ``fn``).
+        kwargs: keyword arguments for ``fn``.
+        **budgets: ``max_ulp`` (per element, ULPs of the DUT dtype), ``rel_l2``, ``min_cosine``;
+            with none, the comparators' budget for the dtype and op class judges.
+
+    Returns:
+        The :class:`ParityResult`, one check per floating output.
+
+    Example:
+        >>> check_op(torch.ops.aten.gelu.default, torch.randn(8), target="cpu/bf16", max_ulp=1).passed
+        True
+    """
+    dut = Target.parse(target) if target is not None else default_dut()
+    golden = Target.parse(ref) if ref is not None else default_ref()
+    dut.check_available()
+    golden.check_available()
+    kwargs = dict(kwargs or {})
+    name = name or _op_name(fn)
+    bound = _bounds(dut.dtype, budgets)
+    from .comparators import op_class
+    cls = op_class(name)
+    dut_in = dut.prepare_inputs((inputs, kwargs))
+    ref_in = move_inputs(dut_in, golden.device, golden.dtype)
+    with torch.no_grad():
+        with dut.context():
+            actual = fn(*dut_in[0], **dut_in[1])
+        expected = fn(*ref_in[0], **ref_in[1])
+        magnitude = None
+        if cls in ("matmul", "reduction") and not bound:
+            abs_in = _abs_inputs(ref_in)
+            magnitude = fn(*abs_in[0], **abs_in[1])
+    result = ParityResult(name, str(dut), str(golden))
+    mags = dict(_keyed_outputs(magnitude)) if magnitude is not None else {}
+    expected_by_key = dict(_keyed_outputs(expected))
+    for key, out in _keyed_outputs(actual):
+        exp = expected_by_key[key]
+        if bound and set(bound) != {"max_ulp"}:
+            result.checks.append(_judge(key, out, exp, bound))
+            continue
+        budget = _budget(name, out.dtype, bound.get("max_ulp"))
+        mag = mags.get(key)
+        k = _accumulation(cls, ref_in, out) if mag is not None else None
+        if k is None:
+            mag = None
+        verdict = budget.check(out.detach(), exp.detach(), magnitude=mag, k=k, what=key)
+        shown = {"max_ulp": budget.max_ulp} if mag is None else {
+            "rounding_ulps": budget.rounding_ulps, "accum_factor": budget.accum_factor, "k": k}
+        result.checks.append(TensorCheck(key, verdict.passed, _metrics(out, exp),
+                                         {**shown, "op_class": budget.op_class},
+                                         "" if verdict.passed else verdict.message))
+    return result
