@@ -1,0 +1,76 @@
+"""Benchmark: `compare` of two tensor dumps (bf16 DUT vs float64 reference, >= 1 GB together)
+against a plain read of every tensor once, measured in the same run.
+
+    python benchmarks/bench_compare_dumps.py [--dir runs/bench] [--gb 1.0] [--keep]
+
+Prints: sizes, plain read time, compare time and their ratio (compare / read). The read pass
+runs first once to warm the page cache, so both figures are measured warm.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from precisiondiff.compare import compare
+from precisiondiff.store import DumpWriter, load, tensor_key
+
+NUMEL = 2 * 1024 * 1024  # elements per tensor: 4 MiB in bf16, 16 MiB in float64
+
+
+def write(path: Path, dtype: torch.dtype, count: int, target: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    with DumpWriter(path, meta={"target": target, "level": "op", "mode": "tensors"}, overwrite=True) as w:
+        for i in range(count):
+            x = torch.randn(NUMEL, generator=gen, dtype=torch.float64)
+            key = tensor_key(f"layers.{i}", "aten.mm.default", 0, "forward", "output.0")
+            rec = {"key": key, "slot": "output.0", "dtype": str(dtype).rpartition(".")[2],
+                   "shape": [NUMEL], "stats": {}, "data_key": key}
+            w.write_event({"seq": i, "kind": "op", "scope": f"layers.{i}", "name": "aten.mm.default",
+                           "direction": "forward", "call": 0, "device": "cpu", "tensors": [rec]},
+                          {key: x.to(dtype)})
+
+
+def read_all(*paths: Path) -> float:
+    t0 = time.perf_counter()
+    for p in paths:
+        d = load(p)
+        for rec in d.records():
+            d.tensor(rec.key).sum()  # touch every byte once
+        d.close()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dir", default="runs/bench")
+    ap.add_argument("--gb", type=float, default=1.0, help="total size of the two dumps")
+    ap.add_argument("--keep", action="store_true", help="keep the dumps")
+    args = ap.parse_args()
+    root = Path(args.dir)
+    count = max(1, int(args.gb * 1e9 / (NUMEL * (2 + 8)) + 0.999))
+    a, b = root / "dut", root / "ref"
+    t0 = time.perf_counter()
+    write(a, torch.bfloat16, count, "cpu/bf16")
+    write(b, torch.float64, count, "cpu/float64")
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    print(f"wrote {count} tensor pairs of {NUMEL} elements, {size / 1e9:.2f} GB in "
+          f"{time.perf_counter() - t0:.1f} s")
+    read_all(a, b)  # warm the page cache
+    t_read = read_all(a, b)
+    t0 = time.perf_counter()
+    c = compare(a, b)
+    t_cmp = time.perf_counter() - t0
+    print(f"plain read: {t_read:.2f} s ({size / 1e9 / t_read:.2f} GB/s)")
+    print(f"compare:    {t_cmp:.2f} s ({size / 1e9 / t_cmp:.2f} GB/s), {c.summary['tensors']} pairs, "
+          f"{c.summary['failed']} failed")
+    print(f"compare / read = {t_cmp / t_read:.2f}")
+    if not args.keep:
+        shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
