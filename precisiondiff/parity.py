@@ -94,6 +94,7 @@ class ParityResult:
     bisect: Optional[Dict[str, Any]] = None
     bisect_error: str = ""
     dumps: Dict[str, str] = field(default_factory=dict)
+    kind: str = "workload"  # or "op": the op itself is what was judged, nothing to bisect
 
     @property
     def passed(self) -> bool:
@@ -132,7 +133,8 @@ class ParityResult:
         failures = self.failures
         if failures:
             lines.append(f"first divergence: {failures[0].key}")
-            lines.extend(_culprit_lines(self.bisect, self.bisect_error))
+            if self.kind == "workload":
+                lines.extend(_culprit_lines(self.bisect, self.bisect_error))
             lines.append(failures[0].message)
         if self.dumps:
             lines.append(f"dumps kept: precisiondiff report {self.dumps.get('dut')} {self.dumps.get('ref')} "
@@ -476,7 +478,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         if cls in ("matmul", "reduction") and not bound:
             abs_in = _abs_inputs(ref_in)
             magnitude = fn(*abs_in[0], **abs_in[1])
-    result = ParityResult(name, str(dut), str(golden))
+    result = ParityResult(name, str(dut), str(golden), kind="op")
     mags = dict(_keyed_outputs(magnitude)) if magnitude is not None else {}
     expected_by_key = dict(_keyed_outputs(expected))
     for key, out in _keyed_outputs(actual):

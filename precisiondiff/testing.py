@@ -8,7 +8,7 @@ import torch
 
 from .comparators.ulp import float_format, ulp_distance
 
-__all__ = ["assert_ulp_close"]
+__all__ = ["assert_ulp_close", "assert_parity", "assert_op_parity"]
 
 _SHOW = 5
 
@@ -109,3 +109,48 @@ def _apply_msg(text: str, msg: Optional[Union[str, Callable[[str], str]]]) -> st
     if callable(msg):
         return msg(text)
     return str(msg)
+
+
+# ---- parity assertions (the library behind the pytest ``parity`` fixture) ---------------------
+def assert_parity(workload: object, inputs: object = None, **options: object) -> "object":
+    """Assert that a workload runs on the DUT within budget of the reference.
+
+    Without pytest fixtures (e.g. inside a hypothesis ``@given`` test or a notebook). Options
+    are those of :func:`precisiondiff.parity.check` (``target``, ``ref``, ``loss``, ``rel_l2``,
+    ``max_ulp``, ``min_cosine``, ``kernels``, ``direction``, ``bisect``, ``dump_dir``, ``seed``).
+
+    Returns:
+        The :class:`~precisiondiff.parity.ParityResult` when it passed.
+
+    Raises:
+        AssertionError: with the compact parity report (first divergence, culprit, hint).
+
+    Example:
+        >>> assert_parity("examples/tiny_transformer.py:build", target="cpu/bf16")
+    """
+    __tracebackhide__ = True
+    from .parity import check
+    result = check(workload, inputs, **options)  # type: ignore[arg-type]
+    if not result.passed:
+        raise AssertionError(result.report())
+    return result
+
+
+def assert_op_parity(fn: Callable[..., object], *inputs: object, **options: object) -> "object":
+    """Assert that one op or function on the DUT is within its budget of the reference.
+
+    Options are those of :func:`precisiondiff.parity.check_op` (``target``, ``ref``, ``name``,
+    ``kwargs``, ``max_ulp``, ``rel_l2``, ``min_cosine``).
+
+    Raises:
+        AssertionError: with the report and the comparators' mismatch message.
+
+    Example:
+        >>> assert_op_parity(torch.ops.aten.gelu.default, torch.randn(8), target="cpu/bf16", max_ulp=1)
+    """
+    __tracebackhide__ = True
+    from .parity import check_op
+    result = check_op(fn, *inputs, **options)  # type: ignore[arg-type]
+    if not result.passed:
+        raise AssertionError(result.report())
+    return result

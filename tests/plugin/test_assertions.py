@@ -1,0 +1,40 @@
+"""precisiondiff.testing.assert_parity / assert_op_parity: the fixture's logic without pytest."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+
+from precisiondiff.errors import PrecisionDiffError
+from precisiondiff.strategies import op_inputs, parity_settings
+from precisiondiff.testing import assert_op_parity
+
+
+def _off_in_bf16(x):
+    return x * 1.03 if x.dtype == torch.bfloat16 else x
+
+
+def test_op_failure_message_is_the_one_format():
+    with pytest.raises(AssertionError) as info:
+        assert_op_parity(_off_in_bf16, torch.linspace(1, 2, 8), target="cpu/bf16", max_ulp=1)
+    text = str(info.value)
+    assert text.splitlines()[0].startswith("parity FAILED: ") and "on cpu/bf16 vs cpu/float64" in text
+    assert "output: 8 of 8 elements (100%) exceed the bfloat16 unknown budget." in text
+    assert "Worst at index (" in text and "Hint: " in text and "culprit" not in text
+
+
+def test_unknown_budget_is_refused():
+    with pytest.raises(PrecisionDiffError, match="unknown budget max_ulps"):
+        assert_op_parity(torch.exp, torch.randn(4), target="cpu/bf16", max_ulps=1)
+
+
+@parity_settings(max_examples=25)
+@given(inp=op_inputs(torch.ops.aten.gelu.default, dtype=torch.bfloat16))
+def test_bf16_gelu_is_within_one_ulp_of_float64_for_all_inputs(inp):
+    assert_op_parity(torch.ops.aten.gelu.default, *inp.args, kwargs=inp.kwargs, target="cpu/bf16", max_ulp=1)
+
+
+@parity_settings(max_examples=15)
+@given(inp=op_inputs(torch.ops.aten.mm.default, dtype=torch.bfloat16, allow_nan=False, allow_inf=False))
+def test_bf16_mm_is_within_its_condition_aware_budget(inp):
+    assert_op_parity(torch.ops.aten.mm.default, *inp.args, target="cpu/bf16")
