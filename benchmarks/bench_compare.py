@@ -1,0 +1,76 @@
+"""Throughput of compare_tensors vs a plain memory copy of the same bytes, side by side.
+
+Usage: python benchmarks/bench_compare.py [--sizes 64M,1G] [--dtypes float32,bfloat16]
+       [--device cpu] [--repeat 1]
+
+SIZE is the bytes of *each* tensor; the pair (actual in DTYPE, expected in float64 would
+double memory, so expected has the same DTYPE here) is 2*SIZE. Throughput = pair bytes / s.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from precisiondiff.comparators import compare_tensors
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    if text[-1] in _UNITS:
+        return int(float(text[:-1]) * _UNITS[text[-1]])
+    return int(text)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best(fn, repeat: int, dev: torch.device) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="64M,1G")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--chunk-elems", type=int, default=None)
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}")
+    print(f"{'dtype':>9} {'size':>6} {'copy GB/s':>10} {'compare GB/s':>13} {'ratio':>7} {'compare s':>10}")
+    for name in args.dtypes.split(","):
+        dt = getattr(torch, name)
+        for s in args.sizes.split(","):
+            nbytes = _size(s)
+            n = nbytes // torch.empty((), dtype=dt).element_size()
+            g = torch.Generator(device=dev).manual_seed(0)
+            e = torch.randn(n, generator=g, device=dev).to(dt)
+            a = (e.float() * (1 + 1e-3 * torch.randn(n, generator=g, device=dev))).to(dt)
+            pair = 2 * nbytes
+            src = torch.empty(pair, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            t_copy = _best(lambda: dst.copy_(src), max(args.repeat, 3), dev)
+            del src, dst
+            kw = {} if args.chunk_elems is None else {"chunk_elems": args.chunk_elems}
+            t_cmp = _best(lambda: compare_tensors(a, e, **kw), args.repeat, dev)
+            c, m = pair / t_copy / 1e9, pair / t_cmp / 1e9
+            print(f"{name:>9} {s:>6} {c:10.2f} {m:13.3f} {m / c:7.4f} {t_cmp:10.2f}", flush=True)
+            del a, e
+
+
+if __name__ == "__main__":
+    main()
