@@ -11,7 +11,6 @@ RUNS ?= runs
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test,report]"
 	touch $@
@@ -20,12 +19,22 @@ venv: $(VENV)/.installed
 
 EXAMPLE := examples/tiny_transformer.py:build
 
+BUGGY := examples/tiny_transformer.py:build_with_bug
+
+# The main job on the bundled example: capture on the default device under test (the first of
+# mlu, cuda, cpu, in bf16) and on the float64 reference, list, compare, report, then bisect the
+# variant with a planted fused-kernel bug. compare/bisect exit 1 when they find divergence:
+# that is their finding, not a failure of the demo.
 demo: venv
 	rm -rf $(RUNS)/dut $(RUNS)/ref
 	$(PD) capture $(EXAMPLE) -o $(RUNS)/dut --level all --mode tensors
 	$(PD) capture $(EXAMPLE) -o $(RUNS)/ref --target cpu/float64 --level all --mode tensors
-	$(PD) ls $(RUNS)/dut --limit 25
-	$(PD) ls $(RUNS)/ref --limit 25
+	$(PD) ls $(RUNS)/dut --kind module --limit 12
+	$(PD) ls $(RUNS)/ref --kind module --limit 12
+	$(PD) compare $(RUNS)/dut $(RUNS)/ref --top 15 || test $$? -eq 1
+	$(PD) report $(RUNS)/dut $(RUNS)/ref -o $(RUNS)/report.html || test $$? -eq 1
+	@echo "HTML report: $(RUNS)/report.html"
+	$(PD) bisect $(BUGGY) --format table || test $$? -eq 1
 
 test: venv
 	$(PY) -m pytest -q

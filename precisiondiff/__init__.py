@@ -1,9 +1,20 @@
 """precisiondiff: find the operator whose arithmetic is wrong on an accelerator.
 
-Public API: :func:`load`, :func:`capture`, :func:`compare`, :func:`bisect`,
-:class:`Workload`, :class:`Target`.
+Public API::
+
+    precisiondiff.capture(out, model=...)     # record a model's numerics into a dump
+    precisiondiff.load(path)                  # read a dump
+    precisiondiff.compare(a, b)               # align two dumps and measure every tensor
+    precisiondiff.bisect(workload)            # localize the culprit kernel
+    precisiondiff.Workload, precisiondiff.Target
+
+Heavy parts (the dump reader, comparisons, bisect, rich, h5py, matplotlib) load on first use,
+so ``import precisiondiff`` stays cheap.
 """
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from .errors import PrecisionDiffError
 from .targets import Target
@@ -15,5 +26,34 @@ __all__ = [
     "PrecisionDiffError",
     "Target",
     "Workload",
+    "bisect",
+    "bisect_dump",
+    "capture",
+    "compare",
+    "load",
+    "register_reference",
     "__version__",
 ]
+
+# name -> (module, attribute), imported on first access (PEP 562)
+_LAZY = {
+    "capture": (".hooks", "capture"),
+    "load": (".store", "load"),
+    "compare": (".compare", "compare"),
+    "bisect": (".bisect", "bisect"),
+    "bisect_dump": (".bisect", "bisect_dump"),
+    "register_reference": (".bisect", "register_reference"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module, __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'precisiondiff' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))
