@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 
 try:  # the comparators' budget API
-    from ..comparators import budget_for, compare_tensors, op_class  # type: ignore[attr-defined]
+    from ..comparators import OP_CLASSES, budget_for, compare_tensors, op_class  # type: ignore[attr-defined]
     HAVE_COMPARATORS = True
 except ImportError:  # pragma: no cover - provisional, see the module docstring
     HAVE_COMPARATORS = False
@@ -103,9 +103,28 @@ def classify(name: str, module_class: Optional[str] = None) -> str:
     return cls
 
 
-def budget_for_op(name: str, dtype: torch.dtype, module_class: Optional[str] = None) -> Any:
+def budget_for_op(name: str, dtype: torch.dtype, module_class: Optional[str] = None,
+                  overrides: Optional[Dict[str, Dict[str, Any]]] = None) -> Any:
+    """The budget of op ``name`` with results in ``dtype``.
+
+    ``overrides`` (as :func:`precisiondiff.comparators.parse_budget_overrides` builds) apply as
+    in :func:`~precisiondiff.comparators.budget_for`: ``*``, the dtype, the op class (here the
+    class bisect assigns, custom ops included), then op-name keys (exact, or a prefix before the
+    overload: ``pdtest.fused_softmax`` matches ``pdtest.fused_softmax.default``).
+    """
     if HAVE_COMPARATORS:
-        return budget_for(dtype, classify(name, module_class))
+        cls = classify(name, module_class)
+        if cls not in OP_CLASSES:
+            cls = "unknown"
+        if not overrides:
+            return budget_for(dtype, cls)
+        generic = {k: v for k, v in overrides.items() if "." not in k}
+        b = budget_for(dtype, cls, overrides=generic)
+        for key, changes in sorted(overrides.items(), key=lambda kv: len(kv[0])):
+            if "." in key and (name == key or name.startswith(key + ".")):
+                checked = budget_for(dtype, cls, overrides={"*": changes})  # validates the fields
+                b = dataclasses.replace(b, **{f: getattr(checked, f) for f in changes})
+        return b
     cls = _fallback_class(name)
     ulps = {"elementwise": 1.0, "matmul": 1.0, "reduction": 1.0, "normalization": 2.0}[cls]
     accum = {"elementwise": 0.0, "matmul": 4.0, "reduction": 4.0, "normalization": 0.0}[cls]

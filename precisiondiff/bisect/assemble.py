@@ -38,6 +38,16 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
         culprit = unit_json(ev, detail)
         if detail.get("message"):
             culprit["message"] = detail["message"]
+        if detail.get("holds_unreplayable"):
+            held = detail["holds_unreplayable"]
+            culprit["unreplayable_ops"] = held
+            names = sorted({h["name"] for h in held})
+            why = held[0].get("reason", "")
+            notes.append(f"{', '.join(names)} could not be replayed on {ref}"
+                         + (f" ({why})" if why else "") + f"; the fault is localized to its innermost "
+                         f"replayable module {ev.scope or '<root>'} ({ev.name}), whose golden ran that op "
+                         "in float32 (its own implementation). Register a reference with "
+                         f"precisiondiff.register_reference({names[0]!r}, fn) to judge the op itself")
         if ev.kind == "module" and detail.get("over") and not detail.get("far"):
             culprit["reason"] = "over budget and contains ops that cannot be replayed on the reference"
         elif ev.kind == "module":

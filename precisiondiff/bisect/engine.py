@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _compat
 from . import judge as J
 from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
                       replay_module_forward, replay_op)
@@ -57,6 +58,7 @@ class EngineInput:
     module_class_of: Optional[Callable[[str], Optional[str]]] = None
     max_candidates: int = 3
     progress: Optional[Callable[[int, int, str], None]] = None
+    overrides: Optional[Dict[str, Dict[str, Any]]] = None
 
 
 @dataclass
@@ -129,6 +131,8 @@ def run_search(inp: EngineInput) -> EngineOutput:
     counter: Dict[str, int] = {"ops": 0}
     unreplayable: List[str] = []
     details: Dict[int, dict] = {}
+    # module uid -> the unreplayable ops it stands in for (innermost replayable module)
+    holding: Dict[int, List[int]] = {}
     total = len(units)
     done = 0
     while (uid := search.next_query()) is not None:
@@ -137,10 +141,20 @@ def run_search(inp: EngineInput) -> EngineOutput:
             inp.progress(done, total, f"{ev.direction} {ev.scope or '<root>'} {ev.name}")
         if ev.kind == "op":
             judgement, detail = _judge_op(ev, inp, counter)
-            if not judgement.replayable and ev.name not in unreplayable:
-                unreplayable.append(ev.name)
+            if not judgement.replayable:
+                if ev.name not in unreplayable:
+                    unreplayable.append(ev.name)
+                if parents[uid] is not None:
+                    holding.setdefault(parents[uid], []).append(uid)
         else:
-            judgement, detail = _judge_module(ev, inp, counter, set(unreplayable), forward_calls)
+            held = [by_seq[u] for u in holding.get(uid, [])]
+            judgement, detail = _judge_module(ev, inp, counter, set(unreplayable), forward_calls, held)
+            if not judgement.replayable and held and parents[uid] is not None:
+                holding.setdefault(parents[uid], []).extend(holding.pop(uid))
+            if held and judgement.replayable:
+                detail["holds_unreplayable"] = [{"scope": h.scope, "name": h.name, "call": h.call,
+                                                 "reason": details.get(h.seq, {}).get("reason", "")}
+                                                for h in held]
         details[uid] = detail
         search.record(uid, judgement)
         done += 1
@@ -176,14 +190,20 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple
     if not outputs:
         return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}
     module_class = inp.module_class_of(ev.scope) if inp.module_class_of is not None else None
-    oj = J.judge_op_outputs(ev.name, outputs, k=getattr(ev, "k", None), module_class=module_class)
+    oj = J.judge_op_outputs(ev.name, outputs, k=getattr(ev, "k", None), module_class=module_class,
+                            overrides=inp.overrides)
     return (Judgement(replayable=True, over=not oj.passed),
             {"replayable": True, "passed": oj.passed, "local": oj.local, "budget": oj.budget,
              "slot": oj.slot, "message": oj.message})
 
 
 def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fallback: set,
-                  forward_calls: Dict[Tuple[str, str], List[UnitEvent]]) -> Tuple[Judgement, dict]:
+                  forward_calls: Dict[Tuple[str, str], List[UnitEvent]],
+                  held: Sequence[UnitEvent] = ()) -> Tuple[Judgement, dict]:
+    """Judge a module call against emulated rounding (judge.py). A module that holds ops which
+    could not be replayed (``held``) stands in for them: it is also judged per element against
+    the loosest of their budgets (:func:`~precisiondiff.bisect.judge.judge_standin`), since the
+    module rule alone is far coarser than an op budget."""
     template = inp.module_of(ev.scope) if inp.module_of is not None else None
     if template is None:
         return Judgement(replayable=False), {"replayable": False,
@@ -224,7 +244,7 @@ def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fall
     if not keys:
         return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}
     first = J.judge_module([(dut[k], golden[k], None) for k in keys], inp.dut_dtype)
-    if not first.over:
+    if not first.over and not held:
         return Judgement(replayable=True), {"replayable": True, "passed": True, "local": first.local,
                                             "budget": first.budget}
     try:
@@ -232,6 +252,18 @@ def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fall
     except Unreplayable as err:
         return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
     mj = J.judge_module([(dut[k], golden[k], emulated.get(k)) for k in keys], inp.dut_dtype)
-    return (Judgement(replayable=True, over=mj.over, far=mj.far),
-            {"replayable": True, "passed": not mj.far, "local": mj.local, "budget": mj.budget,
-             "over": mj.over, "far": mj.far})
+    detail = {"replayable": True, "passed": not mj.far, "local": mj.local, "budget": mj.budget,
+              "over": mj.over, "far": mj.far}
+    over = mj.over
+    if held:
+        module_class = inp.module_class_of(ev.scope) if inp.module_class_of is not None else None
+        budgets = [_compat.budget_for_op(h.name, inp.dut_dtype, module_class, inp.overrides) for h in held]
+        loosest = max(budgets, key=lambda b: b.max_ulp)
+        keys_em = [k for k in keys if k in emulated and tuple(emulated[k].shape) == tuple(golden[k].shape)]
+        sj = J.judge_standin([(k, dut[k], golden[k], emulated[k]) for k in keys_em], loosest)
+        over = over or sj.over
+        detail.update(over=over, passed=not over, standin=sj.local, local=dict(mj.local, **sj.local),
+                      budget=dict(mj.budget, standin=sj.budget))
+        if sj.message:
+            detail["message"] = sj.message
+    return Judgement(replayable=True, over=over, far=mj.far), detail

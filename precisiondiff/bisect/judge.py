@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 __all__ = ["MODULE_OVER", "MODULE_FAR", "PARITY_FACTOR", "OpJudgement", "judge_op_outputs",
-           "judge_module", "rel_l2", "unit_roundoff", "magnitude_op", "parity_bound"]
+           "judge_module", "judge_standin", "StandInJudgement", "rel_l2", "unit_roundoff", "magnitude_op", "parity_bound"]
 
 # Module rule factors (see the module docstring and docs/bisect.md).
 MODULE_OVER = 3.0   # beyond what correctly rounded execution of its ops explains
@@ -97,7 +97,8 @@ class OpJudgement:
 
 
 def judge_op_outputs(name: str, outputs: Sequence[tuple], *, k: Optional[int] = None,
-                     module_class: Optional[str] = None) -> OpJudgement:
+                     module_class: Optional[str] = None,
+                     overrides: Optional[Dict[str, Dict[str, Any]]] = None) -> OpJudgement:
     """Judge an op's outputs: ``outputs`` is ``[(slot, dut, golden, magnitude or None), ...]``;
     ``k`` is the accumulation length that goes with the magnitudes.
 
@@ -106,7 +107,7 @@ def judge_op_outputs(name: str, outputs: Sequence[tuple], *, k: Optional[int] = 
     from . import _compat
     worst: Optional[OpJudgement] = None
     for slot, dut, golden, magnitude in outputs:
-        budget = _compat.budget_for_op(name, dut.dtype, module_class)
+        budget = _compat.budget_for_op(name, dut.dtype, module_class, overrides)
         verdict = _compat.check(budget, dut, golden, magnitude, k if magnitude is not None else None, slot)
         metrics = _compat.metrics(dut, golden)
         current = OpJudgement(passed=verdict.passed, local=metrics, budget=_compat.as_dict(budget),
@@ -154,3 +155,66 @@ def judge_module(pairs: Sequence[tuple], dtype: torch.dtype) -> ModuleJudgement:
     budget = {"rule": "emulated-rounding", "over_factor": MODULE_OVER, "far_factor": MODULE_FAR,
               "unit_roundoff": u}
     return ModuleJudgement(over=ratio > MODULE_OVER, far=ratio > MODULE_FAR, local=local, budget=budget)
+
+
+@dataclass
+class StandInJudgement:
+    """A module judged in place of an op it holds that could not be replayed.
+
+    Attributes:
+        over: some element exceeds its bound.
+        local: ``max_ulp_error`` (worst element, in ULPs of the DUT dtype), ``n_over``, ``numel``,
+            ``worst_ratio`` (error / bound at the worst element).
+        budget: the op budget used (as a dict) and the rule.
+        message: a one-line mismatch message when over.
+    """
+
+    over: bool
+    local: Dict[str, Any]
+    budget: Dict[str, Any]
+    message: str = ""
+
+
+def judge_standin(pairs: Sequence[tuple], budget: Any) -> StandInJudgement:
+    """Judge a module that holds an op with no reference implementation, per element.
+
+    The module's golden output is what its ops give on the reference; its *emulated* output is
+    that with every op output rounded to the DUT dtype. The module is over when, at some
+    element ``i``, ``|dut_i - golden_i| > max(max_ulp * spacing(golden_i),
+    MODULE_OVER * |emulated_i - golden_i|)`` where ``max_ulp`` is the budget of the op the
+    module stands in for. For a module that is just the op this is the op's own budget; around
+    other ops, the emulated error lets correct rounding through them pass. ``pairs`` is
+    ``[(slot, dut, golden, emulated), ...]``.
+    """
+    from ..comparators import ulp_spacing
+    from . import _compat
+    worst_ratio, worst_ulp, n_over, numel, message = 0.0, 0.0, 0, 0, ""
+    for slot, dut, golden, emulated in pairs:
+        g = golden.detach().to(torch.float64)
+        d = dut.detach().to(device=g.device, dtype=torch.float64)
+        em = emulated.detach().to(device=g.device, dtype=torch.float64)
+        spacing = ulp_spacing(g, dut.dtype)
+        bound = torch.maximum(budget.max_ulp * spacing, MODULE_OVER * (em - g).abs())
+        err = (d - g).abs()
+        bad = (torch.isnan(d) ^ torch.isnan(g)) | (torch.isfinite(g) & ~(err <= bound))
+        numel += d.numel()
+        if d.numel() == 0:
+            continue
+        n_bad = int(bad.sum())
+        n_over += n_bad
+        finite = torch.isfinite(g) & torch.isfinite(d)
+        ratio = torch.where(finite, err / bound.clamp_min(1e-300), torch.zeros_like(err))
+        flat = int(ratio.flatten().argmax())
+        r = float(ratio.flatten()[flat])
+        ulp = float((err[finite] / spacing[finite]).max()) if bool(finite.any()) else 0.0
+        worst_ulp = max(worst_ulp, ulp)
+        if n_bad and (not message or r > worst_ratio):
+            message = (f"{slot}: {n_bad} of {d.numel()} elements exceed max({budget.max_ulp:g} ULP of "
+                       f"{budget.dtype} ({budget.op_class} budget), {MODULE_OVER:g}x the emulated "
+                       f"rounding error); worst: actual {float(d.flatten()[flat])!r}, golden "
+                       f"{float(g.flatten()[flat])!r}, {r:.3g}x its bound")
+        worst_ratio = max(worst_ratio, r)
+    local = {"max_ulp_error": worst_ulp, "n_over": n_over, "numel": numel, "worst_ratio": worst_ratio}
+    bud = dict(_compat.as_dict(budget), rule="stand-in: max(op budget, emulated rounding x over_factor)",
+               over_factor=MODULE_OVER)
+    return StandInJudgement(over=n_over > 0, local=local, budget=bud, message=message)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from precisiondiff.bisect import BisectResult, bisect
+from precisiondiff.bisect import BisectResult, bisect, register_reference
+from precisiondiff.bisect.references import unregister_reference
 
 from . import planted
 
@@ -69,3 +70,26 @@ def test_ill_conditioned_control_is_accumulated():
 def test_clean_example_forward_is_not_kernel():
     r = bisect(f"{EXAMPLE}:build", target="cpu/bf16", direction="forward")
     assert r.verdict in ("parity", "accumulated"), r.culprit
+
+
+def test_op_without_float64_kernel_is_localized_to_its_module():
+    r = bisect(planted.vendor_workload, target="cpu/bf16")
+    assert r.verdict == "kernel"
+    assert _culprit(r) == ("module", "1", "VendorNorm", "forward")
+    assert [h["name"] for h in r.culprit["unreplayable_ops"]] == ["pdtest.vendor_rms_norm.default"]
+    assert any("pdtest.vendor_rms_norm.default could not be replayed" in n for n in r.notes)
+    assert "pdtest.vendor_rms_norm.default" in r.unreplayable
+
+
+@pytest.fixture
+def vendor_reference():
+    register_reference("pdtest::vendor_rms_norm", planted.vendor_reference)
+    yield
+    unregister_reference("pdtest::vendor_rms_norm")
+
+
+def test_registered_reference_names_the_op_itself(vendor_reference):
+    r = bisect(planted.vendor_workload, target="cpu/bf16")
+    assert r.verdict == "kernel"
+    assert _culprit(r) == ("op", "1", "pdtest.vendor_rms_norm.default", "forward")
+    assert r.unreplayable == []
