@@ -11,8 +11,14 @@ from precisiondiff.errors import PrecisionDiffError
 from precisiondiff.testing import assert_ulp_close
 
 
-def test_all_is_literal():
-    assert testing.__all__ == ["assert_ulp_close"]
+def test_all_is_literal_and_exports_assert_ulp_close():
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(testing))
+    lit = [n.value for n in tree.body if isinstance(n, ast.Assign)
+           and any(getattr(t, "id", None) == "__all__" for t in n.targets)]
+    assert lit and isinstance(lit[0], ast.List)
+    assert "assert_ulp_close" in testing.__all__
 
 
 def test_passes_within_bound_and_signed_zero_and_nan():
