@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
 from precisiondiff.errors import PrecisionDiffError
+from precisiondiff.parity import check_op
 from precisiondiff.strategies import op_inputs, parity_settings
 from precisiondiff.testing import assert_op_parity
 
@@ -29,9 +31,23 @@ def test_unknown_budget_is_refused():
 
 
 @parity_settings(max_examples=25)
-@given(inp=op_inputs(torch.ops.aten.gelu.default, dtype=torch.bfloat16))
-def test_bf16_gelu_is_within_one_ulp_of_float64_for_all_inputs(inp):
+@given(inp=op_inputs(torch.ops.aten.gelu.default, dtype=torch.bfloat16, elements=st.floats(-3, 1e4, width=32)))
+def test_bf16_gelu_is_within_one_ulp_of_float64_above_minus_3(inp):
+    # below -3 the stock CPU kernel's fp32 1+erf cancels (docs/pytest.md): a known finding
     assert_op_parity(torch.ops.aten.gelu.default, *inp.args, kwargs=inp.kwargs, target="cpu/bf16", max_ulp=1)
+
+
+def test_bf16_gelu_negative_tail_is_a_known_kernel_finding():
+    with pytest.raises(AssertionError, match=r"actual -0.0, golden -7.19\d*e-12: .* 253 ULP"):
+        assert_op_parity(torch.ops.aten.gelu.default, torch.tensor([-7.03125]), target="cpu/bf16", max_ulp=1)
+
+
+@parity_settings(max_examples=25)
+@given(inp=op_inputs(torch.ops.aten.gelu.default, dtype=torch.bfloat16))
+def test_bf16_gelu_special_values_never_mismatch_nan_or_inf(inp):
+    r = check_op(
+        torch.ops.aten.gelu.default, *inp.args, kwargs=inp.kwargs, target="cpu/bf16", max_ulp=1)
+    assert r.checks[0].metrics["nan_mismatch"] == 0 and r.checks[0].metrics["inf_mismatch"] == 0
 
 
 @parity_settings(max_examples=15)
