@@ -1,12 +1,37 @@
 """``precisiondiff bisect``: a thin command over :mod:`precisiondiff.bisect`."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import click
 
 __all__ = ["bisect"]
+
+
+@contextlib.contextmanager
+def _progress():
+    """A rich progress bar on stderr when it is a terminal (rich loaded lazily); else None."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:  # pragma: no cover - rich is optional
+        def plain(done, total, label):
+            click.echo(f"\r[{done}/{total}] {label[:70]:<70}", err=True, nl=False)
+        yield plain
+        click.echo("", err=True)
+        return
+    with Progress(TextColumn("bisect"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("", total=None)
+
+        def update(done, total, label):
+            bar.update(task, completed=done, total=total, description=label[:60])
+        yield update
 
 
 @click.command("bisect")
@@ -19,24 +44,26 @@ __all__ = ["bisect"]
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--workload", default=None, help="offline: the workload that rebuilds the modules")
-def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload) -> None:
+@click.option("--budget", "budgets", multiple=True, metavar="[KEY:]FIELD=VALUE",
+              help="op budget override (repeatable), e.g. --budget aten.mm:max_ulp=4")
+def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, or DUT_DUMP [REF_DUMP])."""
     from .bisect import bisect as run_live, bisect_dump
     from .bisect.render import summary_lines
     from .errors import BisectError
-    if os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")):
-        result = bisect_dump(source, ref_dump, ref=ref, workload=workload)
-    else:
-        if ref_dump is not None:
-            raise BisectError(f"{source} is not a dump directory, so REF_DUMP makes no sense; "
-                              "pass a WORKLOAD or DUT_DUMP [REF_DUMP]")
-        progress = None
-        if sys.stderr.isatty():
-            def progress(done, total, label):
-                click.echo(f"\r[{done}/{total}] {label[:70]:<70}", err=True, nl=False)
-        result = run_live(source, target=target, ref=ref, direction=direction, seed=seed, progress=progress)
-        if progress is not None:
-            click.echo("", err=True)
+    offline = os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json"))
+    if not offline and ref_dump is not None:
+        raise BisectError(f"{source} is not a dump directory, so REF_DUMP makes no sense; "
+                          "pass a WORKLOAD or DUT_DUMP [REF_DUMP]")
+    if offline and target is not None:
+        raise BisectError("--target applies to live bisect; a dump says its own target")
+    with _progress() as progress:
+        if offline:
+            result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
+                                 budgets=list(budgets), progress=progress)
+        else:
+            result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
+                              budgets=list(budgets), progress=progress)
     text = result.dumps() if fmt == "json" else "\n".join(summary_lines(result))
     if out:
         with open(out, "w", encoding="utf-8") as fh:

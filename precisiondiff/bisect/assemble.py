@@ -21,7 +21,8 @@ def unit_json(ev: UnitEvent, detail: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dict[str, float]],
-             confirmation: Dict[str, Any], cost: Dict[str, Any], notes: List[str]) -> BisectResult:
+             confirmation: Dict[str, Any], cost: Dict[str, Any], notes: List[str],
+             input_check: Optional[Dict[str, Any]] = None) -> BisectResult:
     """Verdict rules: ``kernel`` when a culprit was found; else ``accumulated`` when the final
     error exceeds the parity bound; else ``parity``."""
     finding = out.finding
@@ -60,6 +61,8 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
         passed = [u for u in before if out.details[u].get("passed")]
         evidence = {"upstream_units": len(before), "upstream_passed": len(passed),
                     "upstream_unreplayable": sum(1 for u in before if not out.details[u].get("replayable", True))}
+        if input_check is not None:
+            evidence.update(input_check)
         verdict = "kernel"
     else:
         verdict = "accumulated" if final is not None and final_error > bound else "parity"

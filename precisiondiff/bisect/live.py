@@ -13,11 +13,12 @@ from ..targets import Target, default_dut
 from ..workload import Workload, call_model, load_workload, run_workload
 from .assemble import assemble
 from .engine import EngineInput, EngineOutput, run_search
+from .evidence import input_evidence, param_grads_of
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .result import BisectResult
 from .substitute import ReplaceOpMode, final_errors, replace_module_output
 
-__all__ = ["bisect", "events_from_sink", "confirm"]
+__all__ = ["bisect", "events_from_sink", "confirm", "check_options", "run_reference"]
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +39,49 @@ def events_from_sink(sink: MemorySink) -> List[UnitEvent]:
     return out
 
 
-def param_grads_of(events: List[UnitEvent]) -> Dict[str, Callable[[], torch.Tensor]]:
-    """Full parameter name -> loader of its accumulated gradient, from ``param`` events."""
-    grads: Dict[str, Callable[[], torch.Tensor]] = {}
-    for ev in events:
-        if ev.kind != "param":
-            continue
-        for slot, info in ev.slots.items():
-            if slot.startswith("param_grad.") and info[2]:
-                name = slot[len("param_grad."):]
-                full = f"{ev.scope}.{name}" if ev.scope else name
-                grads[full] = (lambda e=ev, s=slot: e.load(s))
-    return grads
+def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, Dict[str, Any]]]:
+    """Validate ``direction``; turn ``budgets`` (``{key: {field: value}}`` or a list of
+    ``[KEY:]FIELD=VALUE`` strings, as ``--budget``) into checked overrides.
+
+    Raises:
+        BisectError: a bad direction or budget override.
+    """
+    from ..comparators import budget_for, parse_budget_overrides
+    from ..comparators.ulp import ComparatorError
+    if direction not in (None, "forward", "backward"):
+        raise BisectError(f"--direction must be forward or backward, not {direction!r}")
+    if budgets is None or budgets == {} or budgets == []:
+        return None
+    try:
+        if isinstance(budgets, (list, tuple)):
+            overrides = parse_budget_overrides(list(budgets))
+        elif isinstance(budgets, dict):
+            overrides = {str(k): dict(v) for k, v in budgets.items()}
+            budget_for(torch.bfloat16, "unknown", overrides={"*": {}, **{k: v for k, v in overrides.items()}})
+            for v in overrides.values():
+                budget_for(torch.bfloat16, "unknown", overrides={"*": v})
+        else:
+            raise BisectError(f"budgets must be a dict {{key: {{field: value}}}} or a list of "
+                              f"'[KEY:]FIELD=VALUE' strings, not {type(budgets).__name__}")
+    except (ComparatorError, TypeError, ValueError) as err:
+        raise BisectError(f"bad budget override: {err}") from err
+    return overrides
+
+
+def run_reference(wl: Workload, ref: Target) -> "tuple[Any, Callable[[str], Optional[torch.Tensor]], List[str]]":
+    """Run the workload on the reference, captured at op and module level (tensors kept in
+    memory): the final outputs, a ``key -> tensor`` lookup for the evidence on the culprit's
+    inputs, and notes (ops that had no reference-dtype kernel and ran in float32)."""
+    sink = MemorySink()
+    model = ref.prepare_model(wl.model)
+    model.train(wl.train)
+    with GoldenMode(fallback=set()) as mode, capture(model=model, level="all", mode="tensors", sink=sink):
+        result = run_workload(wl, ref, model=model)
+    records = {f"{e['scope']}/{e['name']}#{e['call']}:{e['direction']}:{r['slot']}": r
+               for e in sink.events for r in e["tensors"] if r["data_key"] is not None}
+    notes = ([f"the reference run computed {', '.join(sorted(mode.fallback))} in float32: no "
+              f"{ref.dtype} kernel"] if mode.fallback else [])
+    return result, (lambda key: sink.tensor(records[key]) if key in records else None), notes
 
 
 def _grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -137,7 +169,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         target: the device under test (default: the first of mlu, cuda, cpu in bf16).
         ref: the reference target (default ``cpu/float64``).
         direction: ``"forward"`` or ``"backward"`` to search one direction only.
-        budgets: reserved for budget overrides; must be None for now.
+        budgets: op budget overrides: ``{KEY: {FIELD: VALUE}}`` or ``["[KEY:]FIELD=VALUE", ...]``
+            (KEY: ``*``, a dtype, an op class or an op name; FIELD: max_ulp, rounding_ulps,
+            accum_factor, accum_dtype), as :func:`precisiondiff.comparators.budget_for` applies them.
         seed: the seed applied before the workload is built.
         progress: called as ``progress(done, total, label)`` while units are isolated.
         max_candidates: offending units to report after the culprit.
@@ -153,10 +187,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         >>> r.culprit["name"]
         'pdexample.fused_rms_norm.default'
     """
-    if direction not in (None, "forward", "backward"):
-        raise BisectError(f"--direction must be forward or backward, not {direction!r}")
-    if budgets is not None:
-        raise BisectError("custom budgets are not supported yet: pass budgets=None")
+    overrides = check_options(direction, budgets)
     started = time.perf_counter()
     dut = Target.parse(target) if target is not None else default_dut()
     ref_t = Target.parse(ref)
@@ -178,13 +209,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         result = run_workload(wl, dut, model=model, inputs=inputs)
     dut.synchronize()
     capture_s = time.perf_counter() - t0
-    with GoldenMode(fallback=set()) as ref_mode:
-        ref_result = run_workload(wl, ref_t)
-    if ref_mode.fallback:
-        notes_ref = [f"the reference run computed {', '.join(sorted(ref_mode.fallback))} in float32: "
-                     "no float64 kernel"]
-    else:
-        notes_ref = []
+    ref_result, ref_tensor, notes_ref = run_reference(wl, ref_t)
     final = final_errors(result.output, result.loss, _grads(model), ref_result.output,
                          ref_result.loss, _grads(ref_result.model))
 
@@ -195,14 +220,16 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
         module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction,
-        max_candidates=max_candidates, progress=progress))
+        max_candidates=max_candidates, progress=progress, overrides=overrides))
     search_s = time.perf_counter() - t1
 
     dut_runs, notes = 2, list(notes_ref)
     confirmation: Dict[str, Any] = {"final_error_before": final["final"],
                                     "final_error_after_substitution": None}
+    input_check = None
     if out.finding.culprit is not None:
         ev = out.units[out.finding.culprit]
+        input_check = input_evidence(ev, ref_tensor, dut.dtype)
         try:
             golden = golden_of_culprit(ev, events, modules.get, ref_t, dut.dtype, out.unreplayable_ops)
             rerun = confirm(wl, dut, ev, events, golden)
@@ -230,4 +257,5 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
             "plain_forward_s": round(plain_forward_s, 6),
             "wall_over_forward": round(wall_s / plain_forward_s, 1) if plain_forward_s > 0 else None}
-    return assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes)
+    return assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
+                    input_check=input_check)

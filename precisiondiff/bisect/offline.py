@@ -1,19 +1,162 @@
-"""Offline bisect from a replay dump: not finished yet (see docs/bisect.md, "Status")."""
+"""Offline bisect: the DUT's side comes from a dump captured with ``--mode replay`` (on the MLU
+machine, say), the reference side runs here. Ops replay from the dump alone; ``workload``
+rebuilds the modules for module-level replay (their parameters come from the dump's
+``param.<name>`` slots, so the DUT's own weights are used) and, without a reference dump,
+runs the reference for the final error. The units go through the same isolation engine as
+live bisect (:func:`precisiondiff.bisect.engine.run_search`).
+"""
 from __future__ import annotations
 
-from typing import Any, Optional
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
 
-from ..errors import BisectError
+import torch
 
-__all__ = ["bisect_dump"]
+from ..errors import BisectError, PrecisionDiffError
+from ..targets import Target
+from .assemble import assemble
+from .engine import EngineInput, run_search
+from .evidence import finals_of, input_evidence, param_grads_of
+from .isolate import UnitEvent
+from .result import BisectResult
+from .substitute import final_errors
+
+__all__ = ["bisect_dump", "events_from_dump"]
+
+log = logging.getLogger(__name__)
 
 
-def bisect_dump(dut_dump: Any, ref_dump: Optional[Any] = None, *, ref: str = "cpu/float64",
-                workload: Optional[str] = None) -> Any:
-    """Bisect from a dump captured with ``--mode replay`` (not implemented yet).
+def events_from_dump(dump: Any, *, step: Optional[int] = None) -> List[UnitEvent]:
+    """The events of a loaded dump (one step: the first unless ``step``) as :class:`UnitEvent`."""
+    out: List[UnitEvent] = []
+    first: Optional[int] = step
+    for ev in dump.events():
+        if first is None:
+            first = ev.step
+        if ev.step != first:
+            continue
+        slots = {t.slot: (t.dtype, tuple(t.shape), t.has_data) for t in ev.tensors}
+        keys = {t.slot: t.key for t in ev.tensors}
+
+        def load(slot: str, _keys: Dict[str, str] = keys) -> torch.Tensor:
+            return dump.tensor(_keys[slot])
+        out.append(UnitEvent(ev.seq, ev.kind, ev.scope, ev.name, ev.direction, ev.call, slots, ev.args, load))
+    return out
+
+
+def _open(path: Any, what: str) -> Any:
+    from ..store import load
+    if not Path(path).is_dir():
+        raise BisectError(f"{what} {path} is not a dump directory; capture one with "
+                          "`precisiondiff capture WORKLOAD --mode replay -o DIR`")
+    try:
+        dump = load(path)
+    except PrecisionDiffError as err:
+        raise BisectError(f"{what} {path}: {err}") from err
+    if len(dump.ranks) > 1:
+        raise BisectError(f"{what} {path} holds ranks {sorted(dump.ranks)}: pass one rank's "
+                          f"directory, e.g. {Path(path) / 'rank0'}")
+    return dump
+
+
+def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *, ref: "str | Target" = "cpu/float64",
+                workload: "str | Callable[[], Any] | None" = None, direction: Optional[str] = None,
+                budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
+                max_candidates: int = 3) -> BisectResult:
+    """Bisect from a dump captured with ``--mode replay``.
+
+    Args:
+        dut_dump: the DUT's dump directory (``precisiondiff capture W --mode replay -o DIR``).
+        ref_dump: a dump of the same workload on the reference (any mode with the root module's
+            output; ``--mode tensors --level all`` also gives the evidence on the culprit's inputs).
+        ref: the reference target the units are replayed on.
+        workload: the workload spec that rebuilt the dump's model (module-level replay; the
+            reference run when there is no ``ref_dump``). Seeded with the dump's seed.
+        direction: ``"forward"`` or ``"backward"`` only.
+        budgets: op budget overrides (see :func:`precisiondiff.bisect.bisect`).
+        progress: called as ``progress(done, total, label)``.
+        max_candidates: offending units to report after the culprit.
+
+    Returns:
+        A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
+        substitution reruns the DUT: use live bisect on the DUT machine).
 
     Raises:
-        BisectError: always, for now; run ``precisiondiff bisect WORKLOAD`` live instead.
+        BisectError: not a dump, not captured in replay mode, or a workload that does not match.
+
+    Example:
+        >>> r = bisect_dump("runs/mlu", workload="examples/tiny_transformer.py:build_with_bug")  # doctest: +SKIP
     """
-    raise BisectError("offline bisect from a dump is not implemented yet: run "
-                      "`precisiondiff bisect WORKLOAD --target T` live instead")
+    from ..workload import load_workload
+    from .live import check_options, run_reference
+    overrides = check_options(direction, budgets)
+    started = time.perf_counter()
+    dump = _open(dut_dump, "DUT_DUMP")
+    meta = dump.meta
+    if meta.get("mode") != "replay":
+        raise BisectError(f"{dut_dump} was captured in {meta.get('mode')!r} mode; bisect needs "
+                          "`precisiondiff capture WORKLOAD --mode replay`")
+    dut = Target.parse(meta.get("target") or "cpu/bf16")
+    ref_t = Target.parse(ref)
+    ref_t.check_available()
+    if ref_t.autocast:
+        raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
+    events = events_from_dump(dump)
+    notes: List[str] = []
+    modules: Dict[str, torch.nn.Module] = {}
+    wl = None
+    if workload is not None:
+        wl = load_workload(workload, seed=int(meta.get("seed") or 0))
+        modules = dict(wl.model.named_modules())
+        missing = sorted({e.scope for e in events if e.kind == "module" and e.scope not in modules})
+        if missing:
+            raise BisectError(f"the workload's model has no module {missing[0]!r} recorded in {dut_dump}: "
+                              "pass the --workload the dump was captured from")
+    else:
+        notes.append("modules not replayed (no --workload): ops are judged from the dump alone")
+
+    ref_tensor: Callable[[str], Optional[torch.Tensor]] = lambda key: None
+    ref_output = ref_grads = None
+    if ref_dump is not None:
+        rd = _open(ref_dump, "REF_DUMP")
+        ref_events = events_from_dump(rd)
+        ref_output, ref_grads = finals_of(ref_events)
+        keys = set(rd.keys())
+        ref_tensor = lambda key: rd.tensor(key) if key in keys and rd.record(key).has_data else None
+        ref_runs = 0
+    elif wl is not None:
+        ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t)
+        ref_output, ref_grads = ref_result.output, {n: p.grad for n, p in ref_result.model.named_parameters()
+                                                    if p.grad is not None}
+        notes += ref_notes
+        ref_runs = 1
+    else:
+        ref_runs = 0
+    dut_output, dut_grads = finals_of(events)
+    final = None
+    if ref_output is not None and dut_output is not None:
+        final = final_errors(dut_output, None, dut_grads, ref_output, None, ref_grads or {})
+
+    out = run_search(EngineInput(
+        events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
+        module_of=modules.get if modules else None,
+        module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
+        param_grad=param_grads_of(events), direction=direction, max_candidates=max_candidates,
+        progress=progress, overrides=overrides))
+    confirmation: Dict[str, Any] = {"final_error_before": final["final"] if final else None,
+                                    "final_error_after_substitution": None, "detail_before": final}
+    evidence = None
+    if out.finding.culprit is not None:
+        notes.append("substitution not run: it reruns the DUT (run live bisect on the DUT machine)")
+        evidence = input_evidence(out.units[out.finding.culprit], ref_tensor, dut.dtype)
+    wall_s = time.perf_counter() - started
+    cost = {"dut_runs": 0, "ref_runs": ref_runs,
+            "forward_equivalents": round(ref_runs * (3.0 if ref_grads else 1.0)
+                                         + out.replayed_ops / out.forward_ops, 2),
+            "units_isolated": out.finding.queries, "ops_replayed": out.replayed_ops,
+            "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3)}
+    result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
+                      notes=notes, input_check=evidence)
+    return result

@@ -32,6 +32,12 @@ def summary_lines(r: BisectResult) -> List[str]:
         ev = r.evidence
         lines.append(f"  inputs trusted: {ev.get('upstream_passed', 0)}/{ev.get('upstream_units', 0)} "
                      "units before it passed in isolation")
+        known = [i for i in ev.get("inputs", []) if isinstance(i.get("rel_l2"), (int, float))]
+        if known:
+            fine = {True: "fine", False: "ALREADY OFF", None: "?"}[ev.get("inputs_fine")]
+            lines.append("  inputs vs reference run: " + ", ".join(f"{i['slot']} rel-L2 {_num(i['rel_l2'])}"
+                                                                for i in known)
+                         + f" (bound {_num(ev.get('bound'))}: {fine})")
         if r.path:
             lines.append("  path: " + " > ".join(p["scope"] or "<root>" for p in r.path))
         conf = r.confirmation

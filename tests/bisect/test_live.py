@@ -22,6 +22,7 @@ def test_fused_rms_norm_bf16_accumulation_is_named():
     assert _culprit(r) == ("op", "blocks.0.norm1", "pdexample.fused_rms_norm.default", "forward")
     assert [p["scope"] for p in r.path] == ["", "blocks.0", "blocks.0.norm1"]
     assert r.evidence["upstream_passed"] == r.evidence["upstream_units"]
+    assert r.evidence["inputs_fine"] is True and r.evidence["inputs"][0]["rel_l2"] < r.parity_bound
     assert r.confirmation["final_error_after_substitution"] < r.confirmation["final_error_before"]
     json = r.to_json()
     assert list(json)[:8] == ["verdict", "dut", "ref", "culprit", "path", "confirmation", "cost", "candidates"]
@@ -93,3 +94,15 @@ def test_registered_reference_names_the_op_itself(vendor_reference):
     assert r.verdict == "kernel"
     assert _culprit(r) == ("op", "1", "pdtest.vendor_rms_norm.default", "forward")
     assert r.unreplayable == []
+
+
+def test_budget_override_judges_with_the_given_budget():
+    r = bisect(planted.softmax_workload, target="cpu/bf16",
+               budgets=["pdtest.fused_softmax:max_ulp=1e6", "pdtest.fused_softmax:rounding_ulps=1e6"])
+    assert _culprit(r) != ("op", "1", "pdtest.fused_softmax.default", "forward")
+
+
+def test_bad_budget_override_is_a_bisect_error():
+    from precisiondiff.errors import BisectError
+    with pytest.raises(BisectError, match="bad budget override"):
+        bisect(planted.softmax_workload, target="cpu/bf16", budgets=["max_ulps=4"])
