@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytest_plugins = ["pytester"]  # the plugin's own tests (tests/plugin) drive throw-away pytest runs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "tiny_transformer.py")
 
