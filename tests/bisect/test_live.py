@@ -68,9 +68,14 @@ def test_ill_conditioned_control_is_accumulated():
     assert r.growth and r.final_error > r.parity_bound
 
 
-def test_clean_example_forward_is_not_kernel():
-    r = bisect(f"{EXAMPLE}:build", target="cpu/bf16", direction="forward")
-    assert r.verdict in ("parity", "accumulated"), r.culprit
+def test_clean_example_full_run_is_parity():
+    # forward + backward; docs/bisect.md, "The clean example": aten.embedding_dense_backward
+    # accumulates bf16 in bf16 (a verified defect) but with <= 3 repeats per token here its error
+    # (<= 2 ULP) stays within the 4-ULP budget of its op class ("unknown"), so: parity.
+    r = bisect(f"{EXAMPLE}:build", target="cpu/bf16")
+    assert r.verdict == "parity", r.culprit
+    assert r.culprit is None and r.exit_code == 0
+    assert r.final_error <= r.parity_bound
 
 
 def test_op_without_float64_kernel_is_localized_to_its_module():
