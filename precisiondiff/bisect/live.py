@@ -80,7 +80,7 @@ def run_reference(wl: Workload, ref: Target) -> "tuple[Any, Callable[[str], Opti
     records = {f"{e['scope']}/{e['name']}#{e['call']}:{e['direction']}:{r['slot']}": r
                for e in sink.events for r in e["tensors"] if r["data_key"] is not None}
     notes = ([f"the reference run computed {', '.join(sorted(mode.fallback))} in float32: no "
-              f"{ref.dtype} kernel"] if mode.fallback else [])
+              f"{str(ref.dtype).removeprefix('torch.')} kernel"] if mode.fallback else [])
     return result, (lambda key: sink.tensor(records[key]) if key in records else None), notes
 
 
