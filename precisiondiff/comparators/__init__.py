@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from .metrics import TensorMetrics, compare_tensors
 from .tolerance import (
+    END_TO_END_FACTOR,
     OP_CLASSES,
     Budget,
     Verdict,
     budget_for,
     condition_bound,
+    end_to_end_bound,
     op_class,
     parse_budget_overrides,
     peer_ratio_check,
@@ -32,6 +34,8 @@ __all__ = [
     "parse_budget_overrides",
     "condition_bound",
     "OP_CLASSES",
+    "END_TO_END_FACTOR",
+    "end_to_end_bound",
     "ComparatorError",
     "UnsupportedDtypeError",
 ]

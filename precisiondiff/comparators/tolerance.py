@@ -30,6 +30,8 @@ __all__ = [
     "condition_bound",
     "parse_budget_overrides",
     "peer_ratio_check",
+    "END_TO_END_FACTOR",
+    "end_to_end_bound",
     "format_mismatch",
 ]
 
@@ -560,6 +562,25 @@ def parse_budget_overrides(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
                 raise ComparatorError(f"budget override {item!r}: value must be finite and >= 0")
         out.setdefault(scope, {})[field] = val
     return out
+
+
+#: End-to-end tensors (a model's outputs, gradients, any tensor compared across two whole runs)
+#: carry every upstream rounding error, so per-element kernel budgets do not apply to them. They
+#: are judged by their relative L2 error (mlu-ops diff2) against this many unit roundoffs of the
+#: run's dtype: bf16 8 * 2**-8 = 0.031, fp16 0.0039, fp32 4.8e-7. Rounding errors of a correctly
+#: computed network of moderate depth grow roughly like sqrt(depth) * u; 8u leaves room for a few
+#: dozen layers while a kernel that loses a few bits shows up clearly.
+END_TO_END_FACTOR = 8.0
+
+
+def end_to_end_bound(dtype: torch.dtype) -> float:
+    """Relative L2 error allowed for an end-to-end tensor of ``dtype``: ``END_TO_END_FACTOR * u``.
+
+    Example:
+        >>> end_to_end_bound(torch.bfloat16)
+        0.03125
+    """
+    return END_TO_END_FACTOR * float_format(dtype).unit_roundoff
 
 
 def peer_ratio_check(

@@ -153,3 +153,22 @@ def test_missing_and_non_dump_paths(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DumpError, match="not a precisiondiff dump"):
         compare(tmp_path / "empty", tmp_path / "empty")
+
+
+def test_clean_bf16_run_is_within_the_end_to_end_budget(capture_example):
+    """bf16 rounding carried through a correct network is not called divergence."""
+    result = compare(capture_example("cpu/bf16", "all", "tensors"), capture_example("cpu/float64", "all", "tensors"))
+    assert result.summary["failed"] == 0 and result.first_divergence is None
+    assert result.exit_code == 0
+
+
+def test_planted_drift_is_the_first_divergence(capture_example):
+    import os
+    spec = os.path.join(os.path.dirname(__file__), "planted.py") + ":build_drift"
+    result = compare(capture_example("cpu/bf16", "all", "tensors", spec=spec),
+                     capture_example("cpu/float64", "all", "tensors", spec=spec))
+    first = result.first_divergence
+    assert first is not None and result.exit_code == 1
+    assert (first["scope"], first["name"], first["direction"]) == ("1", "pdcompare.rough_gelu.default", "forward")
+    row = next(r for r in result.rows if r.key == first["key"])
+    assert "relative L2 error" in row.message and "bisect" in row.message
