@@ -24,6 +24,8 @@ _FILTERS = [
     click.option("--device", default=None, help="run the comparisons on this device (cuda, mlu:0, ...)"),
     click.option("--noise", type=click.Path(), default=None,
                  help="a second capture of the DUT: rows within its run-to-run noise are not divergence"),
+    click.option("--rel-l2", "rel_l2", type=float, default=None,
+                 help="relative L2 error allowed per tensor (default: 8 unit roundoffs of the run's precision)"),
     click.option("--progress/--no-progress", default=True, show_default=True,
                  help="progress bar on stderr for comparisons that take over a second"),
 ]
@@ -58,13 +60,16 @@ def _stderr_progress(enabled: bool):
     return update, stop
 
 
-def _run_compare(a: str, b: str, scope, op, direction, kind, inputs, device, noise, progress,
+def _run_compare(a: str, b: str, scope, op, direction, kind, inputs, device, noise, rel_l2, progress,
                  only_failing: bool = False):
     from .compare import compare as run
+    if rel_l2 is not None and not rel_l2 > 0:
+        raise PrecisionDiffError("--rel-l2 must be a positive number")
     update, stop = _stderr_progress(progress)
     try:
         return run(a, b, scope=scope, op=op, direction=direction, kind=kind, inputs=inputs,
-                   device=device, noise=noise, only_failing=only_failing, progress=update)
+                   device=device, noise=noise, only_failing=only_failing, progress=update,
+                   budgets={"rel_l2": rel_l2} if rel_l2 is not None else None)
     finally:
         stop()
 
@@ -91,11 +96,11 @@ def _write(text: str, out: Optional[str]) -> None:
 @_filters
 @click.pass_context
 def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, inputs, device,
-            noise, progress) -> None:
+            noise, rel_l2, progress) -> None:
     """Compare dump A (the device under test) with dump B (the reference)."""
     if top is not None and top < 1:
         raise PrecisionDiffError("--top must be at least 1")
-    c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, progress, only_failing)
+    c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, rel_l2, progress, only_failing)
     rows = c.rows
     if top is not None:
         worst = {id(r) for r in c.top(top)}
@@ -130,10 +135,10 @@ def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, 
 @click.option("--worst", type=int, default=6, show_default=True, help="ULP histograms of the N worst tensors")
 @_filters
 @click.pass_context
-def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, noise, progress) -> None:
+def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, noise, rel_l2, progress) -> None:
     """Write a self-contained HTML report of the comparison of A (DUT) with B (reference)."""
     from .report.html import render_html
-    c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, progress)
+    c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, rel_l2, progress)
     _write(render_html(c, worst=worst, device=device), out)
     ctx.exit(c.exit_code)
 
