@@ -215,8 +215,9 @@ class _Judge:
         bound = self._C.end_to_end_bound(dtype_from_name(dtype))
         if self.run_dtype:  # a float32 tensor of a bf16 run inherits bf16 error
             bound = max(bound, self._C.end_to_end_bound(dtype_from_name(self.run_dtype)))
+        rule = f"{self._C.END_TO_END_FACTOR:g} unit roundoffs of the run's precision"
         if isinstance(self._overrides, Mapping) and isinstance(self._overrides.get("rel_l2"), (int, float)):
-            bound = float(self._overrides["rel_l2"])
+            bound, rule = float(self._overrides["rel_l2"]), "the rel_l2 override"
         nan_mm, inf_mm = int(m.get("nan_mismatch") or 0), int(m.get("inf_mismatch") or 0)
         numel = int(m.get("numel") or 0)
         if nan_mm or inf_mm:
@@ -224,8 +225,7 @@ class _Judge:
                            "Hint: precisiondiff scan A finds the first event that produced them.")
         if error is None or error <= bound:
             return True, ""
-        return False, (f"{key}: relative L2 error {error:.3g} > {bound:.3g} ({self._C.END_TO_END_FACTOR:g} unit "
-                       f"roundoffs of the run's precision); worst element: abs err {_fmt(m.get('max_abs_err'))}, rel err "
+        return False, (f"{key}: relative L2 error {error:.3g} > {bound:.3g} ({rule}); worst element: abs err {_fmt(m.get('max_abs_err'))}, rel err "
                        f"{_fmt(m.get('max_rel_err'))}, {_fmt(m.get('max_ulp_error'))} ULP. "
                        "Hint: precisiondiff bisect tells whether this op's own arithmetic is at fault.")
 
