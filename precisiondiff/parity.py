@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .comparators.tolerance import END_TO_END_FACTOR
+
 from .errors import PrecisionDiffError
 from .targets import Target, default_dut, default_ref, dtype_name, move_inputs
 from .workload import Workload, call_model, load_workload, run_workload
@@ -36,7 +38,7 @@ __all__ = ["PARITY_FACTOR", "BUDGET_KEYS", "TensorCheck", "ParityResult", "check
 
 log = logging.getLogger(__name__)
 
-PARITY_FACTOR = 8.0  # final relative L2 error allowed, in unit roundoffs of the DUT dtype
+PARITY_FACTOR = END_TO_END_FACTOR  # final relative L2 error allowed, in unit roundoffs (comparators)
 BUDGET_KEYS = ("rel_l2", "max_ulp", "min_cosine")
 
 

@@ -24,13 +24,15 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from ..comparators.tolerance import END_TO_END_FACTOR
+
 __all__ = ["MODULE_OVER", "MODULE_FAR", "PARITY_FACTOR", "OpJudgement", "judge_op_outputs",
            "judge_module", "judge_standin", "StandInJudgement", "rel_l2", "unit_roundoff", "magnitude_op", "parity_bound"]
 
 # Module rule factors (see the module docstring and docs/bisect.md).
 MODULE_OVER = 3.0   # beyond what correctly rounded execution of its ops explains
 MODULE_FAR = 10.0   # far beyond it: the module itself is blamed even when all its ops pass
-PARITY_FACTOR = 8.0  # final relative L2 error allowed, in units of the DUT's unit roundoff
+PARITY_FACTOR = END_TO_END_FACTOR  # final relative L2 error allowed, in unit roundoffs (comparators)
 
 # Ops whose magnitude is the op applied to |inputs| (linear in each floating input).
 _MAGNITUDE_OPS = {"mm", "bmm", "addmm", "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot",
