@@ -39,8 +39,9 @@ __all__ = [
 _LAZY = {
     "capture": (".hooks", "capture"),
     "load": (".store", "load"),
-    "compare": (".compare", "compare"),
-    "bisect": (".bisect", "bisect"),
+    # the modules of these two names are callable as their function (see _callable.py)
+    "compare": (".compare", None),
+    "bisect": (".bisect", None),
     "bisect_dump": (".bisect", "bisect_dump"),
     "register_reference": (".bisect", "register_reference"),
 }
@@ -49,7 +50,8 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module, __name__), attr)
+        imported = importlib.import_module(module, __name__)
+        value = imported if attr is None else getattr(imported, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'precisiondiff' has no attribute {name!r}")

@@ -588,3 +588,8 @@ def _add_notes(c: Comparison) -> None:
     if ta.endswith(("float64", "fp64")) and not tb.endswith(("float64", "fp64")) and tb:
         c.notes.append(f"A ({ta}) looks like the reference and B ({tb}) like the DUT: the DUT "
                        "comes first (compare DUT REF)")
+
+
+from ._callable import make_callable  # noqa: E402
+
+make_callable(__name__, "compare")

@@ -10,3 +10,7 @@ from .references import register_reference
 from .result import BisectResult
 
 __all__ = ["bisect", "bisect_dump", "register_reference", "BisectResult"]
+
+from .._callable import make_callable  # noqa: E402
+
+make_callable(__name__, "bisect")
