@@ -98,9 +98,9 @@ def verify(dump) -> None:
     report = verify_dump(dump)
     for line in report.problems:
         click.echo(f"DAMAGED: {line}")
-    for line in getattr(report, "notes", []):
+    for line in report.notes:
         click.echo(f"note: {line}")
-    click.echo(report.summary_line() if hasattr(report, "summary_line") else str(report.summary))
+    click.echo(str(report))
     if not report.ok:
         sys.exit(1)
 
