@@ -247,3 +247,19 @@ def test_snapshot_is_taken_when_recorded():
     t.mul_(5)  # an in-place update before the batch is read back
     batch.resolve()
     assert batch.get(h)["mean"] == 1.0
+
+
+def test_multi_rank_runs_write_rank_directories_and_rank_filter(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Linear(3, 2)
+    with capture(tmp_path / "d", model=model, mode="tensors"):
+        model(torch.randn(2, 3))
+    with capture(tmp_path / "skip", model=model, mode="tensors", ranks="0"):
+        model(torch.randn(2, 3))
+    from precisiondiff.store import load
+    dump = load(tmp_path / "d")
+    assert (tmp_path / "d" / "rank1" / "meta.json").is_file()
+    events = list(dump.events())
+    assert events and all(e.rank == 1 for e in events)
+    assert list(load(tmp_path / "skip").events()) == []
