@@ -76,10 +76,10 @@ def _identity(t: torch.Tensor) -> tuple:
     except RuntimeError:  # inference tensors have no version counter
         version = -1
     try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
+        ptr = t.data_ptr()  # storage address + offset: with shape and strides, the same view
+    except RuntimeError:  # tensors without storage
         ptr = id(t)
-    return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, version)
+    return (t.device, ptr, t.shape, t.stride(), t.dtype, version)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

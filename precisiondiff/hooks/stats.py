@@ -54,17 +54,18 @@ def _segmented(flats: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     buf = torch.cat(flats)
     lengths = torch.tensor([f.numel() for f in flats], device=device)
     k = len(flats)
-    seg = torch.repeat_interleave(torch.arange(k, device=device), lengths)
     x = buf.to(acc)
-    inf = torch.tensor(float("inf"), dtype=acc, device=device)
-    lo = inf.expand(k).clone().scatter_reduce_(0, seg, x, "amin")
-    hi = (-inf).expand(k).clone().scatter_reduce_(0, seg, x, "amax")
-    zeros = torch.zeros(k, dtype=acc, device=device)
-    total = zeros.clone().index_add_(0, seg, x)
-    absolute = zeros.clone().index_add_(0, seg, x.abs())
-    squares = zeros.clone().index_add_(0, seg, x * x)
-    nans = zeros.clone().index_add_(0, seg, torch.isnan(x).to(acc))
-    infs = zeros.clone().index_add_(0, seg, torch.isinf(x).to(acc))
+    lo = torch.segment_reduce(x, "min", lengths=lengths)
+    hi = torch.segment_reduce(x, "max", lengths=lengths)
+    total = torch.segment_reduce(x, "sum", lengths=lengths)
+    absolute = torch.segment_reduce(x.abs(), "sum", lengths=lengths)
+    squares = torch.segment_reduce(x * x, "sum", lengths=lengths)
+    nonfinite = ~torch.isfinite(x)
+    if bool(nonfinite.any()):  # one check per batch; the common case skips two reductions
+        nans = torch.segment_reduce(torch.isnan(x).to(acc), "sum", lengths=lengths)
+        infs = torch.segment_reduce(torch.isinf(x).to(acc), "sum", lengths=lengths)
+    else:
+        nans = infs = torch.zeros(k, dtype=acc, device=device)
     n = lengths.to(acc)
     stats = torch.stack([lo, hi, total / n, absolute / n, squares.sqrt(), nans, infs], dim=1)
     # NaN propagates through min/max as in torch.aminmax
@@ -76,14 +77,30 @@ def _segmented(flats: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     bits = (buf if buf.dtype == view_dtype else buf.view(view_dtype)).to(torch.int64)
     if mask is not None:
         bits = bits & mask
-    starts = torch.cumsum(lengths, 0) - lengths
-    index = torch.arange(buf.numel(), device=device) - starts[seg]
-    y = (bits ^ (index * _C1)) * _C2
+    ends = torch.cumsum(lengths, 0)
+    positions = _positions_times_c1(device)  # i * C1 for i < SMALL: sliced, never recomputed
+    salt = torch.cat([positions[: f.numel()] for f in flats])
+    y = (bits ^ salt) * _C2
     mixed = y ^ (y >> 29)
-    izeros = torch.zeros(k, dtype=torch.int64, device=device)
-    h1 = izeros.clone().index_add_(0, seg, mixed)
-    h2 = izeros.clone().index_add_(0, seg, mixed * (bits | 1))
+    # Segment sums of int64 as differences of a wrapping prefix sum: exact modulo 2**64.
+    h1 = _segment_sums_int(mixed, ends)
+    h2 = _segment_sums_int(mixed * (bits | 1), ends)
     return stats, torch.stack([h1, h2], dim=1)
+
+
+_POSITIONS: Dict[torch.device, torch.Tensor] = {}
+
+
+def _positions_times_c1(device: torch.device) -> torch.Tensor:
+    cached = _POSITIONS.get(device)
+    if cached is None:
+        cached = _POSITIONS[device] = torch.arange(SMALL_TENSOR_ELEMENTS, device=device) * _C1
+    return cached
+
+
+def _segment_sums_int(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    prefix = torch.cumsum(values, 0)[ends - 1]
+    return torch.diff(prefix, prepend=prefix.new_zeros(1))
 
 
 class StatsBatch:
@@ -111,7 +128,7 @@ class StatsBatch:
             self._results[handle] = dict(_EMPTY)
             return handle
         with torch.no_grad():
-            if numel <= self.small_elements and not t.is_complex() and t.element_size() in _BITS:
+            if numel <= min(self.small_elements, SMALL_TENSOR_ELEMENTS) and not t.is_complex() and t.element_size() in _BITS:
                 if snapshot is not None and snapshot.device == t.device:
                     flat = snapshot.reshape(-1)
                 else:
