@@ -11,6 +11,7 @@ from ..errors import BisectError
 from ..hooks import MemorySink, capture
 from ..targets import Target, default_dut
 from ..workload import Workload, call_model, load_workload, run_workload
+from . import compiled
 from .assemble import assemble
 from .engine import EngineInput, EngineOutput, run_search
 from .evidence import input_evidence, param_grads_of
@@ -196,6 +197,10 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     wl = load_workload(workload, seed=seed)
+    compiled_wl = wl if compiled.find_regions(wl.model) else None
+    in_place = compiled.compiled_in_place(wl.model)
+    if compiled_wl is not None or in_place:  # bisect the eager model; regions are checked below
+        wl = compiled.eager_workload(wl)
     has_backward = wl.loss is not None
     fwd_cost = 3.0 if has_backward else 1.0
 
@@ -257,5 +262,22 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
             "plain_forward_s": round(plain_forward_s, 6),
             "wall_over_forward": round(wall_s / plain_forward_s, 1) if plain_forward_s > 0 else None}
-    return assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
-                    input_check=input_check)
+    result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
+                      input_check=input_check)
+    if compiled_wl is not None:
+        if progress is not None:
+            progress(0, 1, "compiled regions vs eager")
+        try:
+            check = compiled.check_regions(compiled_wl, dut, ref_t, ref_result)
+        except Exception as err:  # the user's compiled model fails: the eager finding stands
+            check = compiled.CompiledCheck(notes=[f"compiled regions not checked: the compiled model failed: "
+                                                  f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"])
+        compiled.merge_into(result, check, out=out, events=events, ref_tensor=ref_tensor,
+                            module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
+                            run_cost=fwd_cost, has_backward=has_backward)
+        result.cost["wall_s"] = round(time.perf_counter() - started, 3)
+    if in_place:
+        result.notes.append(f"modules compiled in place with Module.compile() ({', '.join(s or '<root>' for s in in_place)}) "
+                            "were bisected eagerly, not checked as compiled regions: wrap them with "
+                            "torch.compile(module) instead")
+    return result

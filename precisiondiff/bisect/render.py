@@ -20,7 +20,9 @@ def summary_lines(r: BisectResult) -> List[str]:
         where = c["scope"] or "<root>"
         lines.append(f"culprit: {c['kind']} {c['name']} in {where} ({c['direction']}, call {c['call']})")
         loc, bud = c.get("local", {}), c.get("budget", {})
-        if c["kind"] == "op":
+        if c["kind"] == "compiled_region":
+            lines.extend(_region_lines(c))
+        elif c["kind"] == "op":
             lines.append(f"  local error: max {_num(loc.get('max_ulp_error', loc.get('max_ulp')))} ULP, "
                          f"max rel {_num(loc.get('max_rel_err', loc.get('max_rel')))}; budget "
                          f"{bud.get('op_class', '?')} {bud.get('dtype', '')} max_ulp={_num(bud.get('max_ulp', bud.get('rounding_ulps')))}")
@@ -49,9 +51,28 @@ def summary_lines(r: BisectResult) -> List[str]:
         for g in r.growth[:3]:
             lines.append(f"  error grows in {g['scope'] or '<root>'} ({g['direction']}): local rel-L2 "
                          f"{_num(g['local'].get('rel_l2'))}")
+    if r.compiled is not None and (not c or c["kind"] != "compiled_region"):
+        regs = r.compiled.get("regions", [])
+        bad = [g for g in regs if g.get("diverges")]
+        lines.append(f"compiled regions: {len(regs)} call(s) checked against eager, "
+                     + (f"{len(bad)} diverge" if bad else "none diverges"))
     for n in r.notes:
         lines.append(f"note: {n}")
     cost = r.cost
     lines.append(f"cost: {cost.get('dut_runs')} DUT runs, {cost.get('ref_runs')} reference runs, "
                  f"{_num(cost.get('forward_equivalents'))} forward-equivalents, {_num(cost.get('wall_s'))} s")
+    return lines
+
+
+def _region_lines(c: dict) -> List[str]:
+    """A compiled region culprit: its error vs eager's, its ops, where the divergence arises."""
+    loc, bud = c.get("local", {}), c.get("budget", {})
+    ops = [o for o in c.get("ops", [])]
+    shown = ", ".join(dict.fromkeys(ops))
+    lines = [f"  compiled ({c.get('backend', '?')}) rel-L2 {_num(loc.get('rel_l2_compiled'))} vs golden; eager "
+             f"{_num(loc.get('rel_l2_eager'))} ({_num(loc.get('ratio_to_eager'))}x); bound "
+             f"max({_num(bud.get('floor'))}, {_num(bud.get('k'))} x eager) = {_num(bud.get('bound'))}",
+             f"  ops ({len(ops)} calls, eager): {shown[:300]}"]
+    if c.get("diagnosis"):
+        lines.append(f"  {c['diagnosis']}")
     return lines

@@ -40,6 +40,8 @@ class BisectResult:
         unreplayable: op names that could not be replayed on the reference.
         final_error, parity_bound: the DUT's final error and the bound for parity.
         notes: sentences for the reader (substitution too weak, unresolved ops...).
+        compiled: for a model with ``torch.compile`` regions: ``{"regions": [...], "final_error"}``
+            (docs/bisect.md, "torch.compile regions"); None otherwise (and absent from the JSON).
 
     Example:
         >>> BisectResult("parity", "cpu/bf16", "cpu/float64").to_json()["verdict"]
@@ -60,6 +62,7 @@ class BisectResult:
     final_error: float = 0.0
     parity_bound: float = 0.0
     notes: List[str] = field(default_factory=list)
+    compiled: Optional[Dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -78,6 +81,8 @@ class BisectResult:
                "growth": self.growth, "unreplayable": self.unreplayable,
                "final_error": self.final_error, "parity_bound": self.parity_bound,
                "notes": self.notes}
+        if self.compiled is not None:
+            out["compiled"] = self.compiled
         return _clean(out)
 
     def dumps(self) -> str:
