@@ -423,8 +423,6 @@ def merge_into(result: Any, check: CompiledCheck, *, out: Any, events: List[Any]
                     "local": {}} for i in range(len(parts))]
     result.confirmation = dict(check.confirmation, detail_before=check.final)
     result.evidence = _evidence(check, c, out, first, ref_tensor, _dtype(result.dut))
-    if narrowing.get("diagnosis"):
-        result.notes.append(f"compiled region {c['scope'] or '<root>'}: {narrowing['diagnosis']}")
     return result
 
 

@@ -29,7 +29,7 @@ def summary_lines(r: BisectResult) -> List[str]:
         else:
             lines.append(f"  local error {_num(loc.get('rel_l2'))} rel-L2 = {_num(loc.get('ratio_to_rounding'))}x "
                          f"what correct rounding of its ops gives ({_num(loc.get('rel_l2_emulated'))})")
-        if c.get("message"):
+        if c.get("message") and c["kind"] != "compiled_region":  # its lines say it already
             lines.append(f"  {c['message'].splitlines()[0]}")
         ev = r.evidence
         lines.append(f"  inputs trusted: {ev.get('upstream_passed', 0)}/{ev.get('upstream_units', 0)} "
