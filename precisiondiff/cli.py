@@ -5,7 +5,6 @@ Exit codes: 0 ran, parity; 1 ran, divergence (or a damaged dump for ``verify``);
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 from typing import Any, Optional
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Callable, Optional
 
 import click
 

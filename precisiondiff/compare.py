@@ -283,7 +283,6 @@ def _compare_tensor_pair(dump_a: Any, dump_b: Any, rec_a: Any, rec_b: Any, devic
     if device:
         ta, tb = ta.to(device, non_blocking=True), tb.to(device, non_blocking=True)
     if not (_is_float(rec_a.dtype) and _is_float(rec_b.dtype)):
-        import torch
         mismatched = int((ta.to(tb.dtype) != tb).sum()) if ta.shape == tb.shape else -1
         return {"mismatched": mismatched, "numel": int(tb.numel())}
     return compare_tensors(ta, tb)

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -31,7 +29,7 @@ from .comparators.tolerance import END_TO_END_FACTOR
 
 from .errors import PrecisionDiffError
 from .targets import Target, default_dut, default_ref, dtype_name, move_inputs
-from .workload import Workload, call_model, load_workload, run_workload
+from .workload import Workload, load_workload, run_workload
 
 __all__ = ["PARITY_FACTOR", "BUDGET_KEYS", "TensorCheck", "ParityResult", "check", "check_op",
            "as_workload"]
@@ -242,7 +240,7 @@ def _flatten(value: Any, prefix: str) -> Iterator[Tuple[str, torch.Tensor]]:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             yield from _flatten(v, f"{prefix}.{i}")
-    elif hasattr(value, "logits") and isinstance(getattr(value, "logits"), torch.Tensor):
+    elif hasattr(value, "logits") and isinstance(value.logits, torch.Tensor):
         yield from _flatten(value.logits, f"{prefix}.logits")
 
 

@@ -1,10 +1,8 @@
 """`precisiondiff capture`, `ls`, `verify` as a user runs them: real processes, real exit codes."""
 import json
-import os
 import signal
 import textwrap
 
-import pytest
 
 import precisiondiff.store as store
 from tests.conftest import pd_cli

@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from ..errors import CaptureError, PrecisionDiffError
-from .dispatch import OpCaptureMode, in_backward
+from ..errors import PrecisionDiffError
+from .dispatch import OpCaptureMode
 from .filters import CaptureFilter, parse_selection
-from .recorder import MODES, MemorySink, Recorder, Sink
+from .recorder import MODES, Recorder, Sink
 from .serialize import encode_args, flatten_tensors, is_replayable
 
 __all__ = ["CaptureSession", "capture", "LEVELS"]
@@ -164,7 +164,7 @@ class CaptureSession:
         for name, module in root.named_modules():
             if module not in self._names:
                 self._names[module] = f"{prefix}.{name}" if prefix and name else (prefix or name)
-        for name, module in root.named_modules():
+        for module in root.modules():
             for pname, param in module.named_parameters(recurse=False):
                 if param.requires_grad and id(param) not in self._param_owner:
                     self._param_owner[id(param)] = (self._names[module], type(module).__name__, pname)

@@ -154,7 +154,7 @@ class StatsBatch:
                 stats = torch.stack([v.to(_acc_dtype(device)) for _, v, _ in items])
                 fps = torch.stack([f for _, _, f in items])
                 per_device.setdefault(device, []).append(([h for h, _, _ in items], stats, fps))
-            for device, groups in per_device.items():
+            for groups in per_device.values():
                 handles = [h for hs, _, _ in groups for h in hs]
                 stats = torch.cat([s for _, s, _ in groups]).cpu().tolist()
                 fps = torch.cat([f for _, _, f in groups]).cpu().tolist()

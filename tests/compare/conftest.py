@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import pytest
-import torch
 
 from precisiondiff.store import DumpWriter, tensor_key
 

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import textwrap
 
 import pytest
