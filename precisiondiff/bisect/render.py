@@ -32,8 +32,12 @@ def summary_lines(r: BisectResult) -> List[str]:
         if c.get("message") and c["kind"] != "compiled_region":  # its lines say it already
             lines.append(f"  {c['message'].splitlines()[0]}")
         ev = r.evidence
-        lines.append(f"  inputs trusted: {ev.get('upstream_passed', 0)}/{ev.get('upstream_units', 0)} "
-                     "units before it passed in isolation")
+        upstream = ev.get("upstream_units", 0)
+        if upstream:
+            lines.append(f"  upstream: {ev.get('upstream_passed', 0)} of {upstream} units before it "
+                         "passed in isolation")
+        else:
+            lines.append("  upstream: it is the first unit that computes anything")
         known = [i for i in ev.get("inputs", []) if isinstance(i.get("rel_l2"), (int, float))]
         if known:
             fine = {True: "fine", False: "ALREADY OFF", None: "?"}[ev.get("inputs_fine")]
