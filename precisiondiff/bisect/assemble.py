@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-import torch
 
 from ..targets import Target
 from .engine import EngineOutput
