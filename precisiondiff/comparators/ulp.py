@@ -176,11 +176,49 @@ def round_to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x
     if dtype in (torch.float64, torch.float32):
         return x.to(dtype)
+    if x.dtype == torch.float64 and dtype in _MIDPOINT_BITS:
+        return _round_f64_to_16bit(x, dtype)
     if x.dtype == torch.float64 or not x.is_floating_point():
         x32 = _round_to_odd_f32(x.to(torch.float64))
     else:
         x32 = x.to(torch.float32)  # exact from float32 and narrower
+    return _fix_overflow(x32, x32.to(dtype), fmt)
+
+
+#: dtype -> (mask of the float32 bits below the format's last place, the half-way pattern,
+#: float32 exponent field below which the format is subnormal, or 0 when it never is there).
+_MIDPOINT_BITS = {
+    torch.bfloat16: (0xFFFF, 0x8000, 0),  # same exponent range as float32: grids nest
+    torch.float16: (0x1FFF, 0x1000, 113 << 23),  # 2**-14 = float32 exponent field 113
+}
+
+
+def _round_f64_to_16bit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 -> bfloat16/float16, one rounding, at the cost of torch's double-rounding cast.
+
+    ``RN16(RN32(x)) != RN16(x)`` only when ``RN32(x)`` is exactly a half-way point of the
+    16-bit format: every half-way point (the overflow threshold included) is a float32 value
+    and RN32 is monotone, so otherwise ``x`` and ``RN32(x)`` lie strictly on the same side of
+    every rounding boundary. Those candidates (float32 bits below the 16-bit last place equal
+    to ``100..0``; for float16 also every value in its subnormal range, whose last place is
+    coarser) are re-rounded with the round-to-odd path; about 2**-16 of random data.
+    """
+    mask, half, sub_exp = _MIDPOINT_BITS[dtype]
+    x32 = x.to(torch.float32)
+    bits = x32.view(torch.int32)
+    cand = (bits & mask) == half
+    if sub_exp:
+        cand |= (bits & 0x7F800000) < sub_exp
     r = x32.to(dtype)
+    if bool(cand.any()):
+        idx = cand.reshape(-1).nonzero().squeeze(1)
+        flat = r.reshape(-1)
+        xs = _round_to_odd_f32(x.reshape(-1)[idx])
+        flat[idx] = _fix_overflow(xs, xs.to(dtype), float_format(dtype))
+    return r
+
+
+def _fix_overflow(x32: torch.Tensor, r: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     thr = fmt.overflow_threshold
     max_is_odd = (_max_bits(fmt) & 1) == 1
     over = (x32.abs() >= thr) if max_is_odd else (x32.abs() > thr)
@@ -189,8 +227,23 @@ def round_to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             special = torch.where(x32 > 0, float("inf"), float("-inf"))
         else:
             special = torch.full_like(x32, float("nan"))
-        r = torch.where(over, special.to(torch.float32), r.to(torch.float32)).to(dtype)
+        r = torch.where(over, special.to(torch.float32), r.to(torch.float32)).to(fmt.dtype)
     return r
+
+
+def _ordered_key(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Sign-magnitude bit pattern -> ordered integer (int32 up to 16 bits, int64 above).
+
+    ``key = -magnitude if sign else magnitude``; +0 and -0 both map to 0. Not for float64
+    (differences of keys overflow int64; :func:`ulp_distance` handles it).
+    """
+    s = x.contiguous().view(_SIGNED_VIEW[fmt.bits])
+    s = s.to(torch.int32 if fmt.bits <= 16 else torch.int64)
+    mag = s & ((1 << (fmt.bits - 1)) - 1)
+    return torch.where(s < 0, -mag, mag)
+
+
+_SIGNED_VIEW = {32: torch.int32, 16: torch.int16, 8: torch.int8}
 
 
 @functools.lru_cache(maxsize=None)
