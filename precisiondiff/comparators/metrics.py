@@ -237,13 +237,20 @@ def _spacing_into(e: torch.Tensor, out: torch.Tensor, scale: float, floor: float
 
 
 def _finite_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r,
-                 counts, maxes, hist, scratch) -> None:
-    """One tile where ``actual`` and ``r`` (hence ``expected``) are all finite: no masks."""
+                 counts, maxes, hist, scratch) -> bool:
+    """One tile where ``actual`` and ``r`` (hence ``expected``) are all finite: no masks.
+
+    Returns False, having accumulated nothing, when that does not hold: ``max |a - e|`` is
+    then NaN or inf (a or e not finite), or ``max |e|`` exceeds ``max_finite`` (``r`` may
+    have overflowed; conservative)."""
     ad, ae, d, e2, a2, axe, rel, ulp, ulperr = (w[j, :c] for j in range(_ROWS))
     torch.sub(a, e, out=d)
-    n_diff, n_below = torch.count_nonzero(d), (d < 0).sum()
     torch.abs(d, out=ad)
     torch.abs(e, out=ae)
+    ad_max = ad.max()
+    if not bool(torch.isfinite(ad_max) & (ae.max() <= fmt.max_finite)):
+        return False
+    n_diff, n_below = torch.count_nonzero(d), (d < 0).sum()
     torch.mul(d, d, out=d)
     torch.mul(e, e, out=e2)
     torch.mul(a, a, out=a2)
@@ -254,7 +261,7 @@ def _finite_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3, has_tol,
     hist.add(dist)
     torch.div(ad, _spacing_into(e, scratch, sp_scale, sp_floor), out=ulperr)
     d3max = torch.where(ae < th3, ad, rel, out=scratch).max()
-    torch.maximum(maxes, torch.stack([ad.max(), rel.max(), ulp.max(), ulperr.max(), d3max]),
+    torch.maximum(maxes, torch.stack([ad_max, rel.max(), ulp.max(), ulperr.max(), d3max]),
                   out=maxes)
     lvl1, lvl5 = REL_ERR_RATIO_LEVELS
     zero = torch.zeros((), dtype=torch.int64, device=d.device)
@@ -264,6 +271,7 @@ def _finite_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3, has_tol,
         outside = zero
     counts += torch.stack([zero, zero, zero, zero, outside, (rel > lvl1).sum(),
                            (rel > lvl5).sum(), n_diff, n_below])
+    return True
 
 
 def _general_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r,
@@ -514,9 +522,8 @@ def compare_tensors(
         else:
             a = ac if ac.dtype == f64 else buf[0, :c].copy_(ac)
             r = ec if ec.dtype == dt else round_to_dtype(ec, dt)
-            if bool((_isfinite(ac) & _isfinite(r)).all()):
-                _finite_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3,
-                             has_tol, tol_a, tol_r, counts, maxes, hist, buf[2, :c])
+            if _finite_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3,
+                            has_tol, tol_a, tol_r, counts, maxes, hist, buf[2, :c]):
                 host_counts[0] += c
                 host_counts[1] += c
             else:
