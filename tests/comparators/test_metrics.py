@@ -175,3 +175,90 @@ def test_torch_float64_cast_double_rounds_and_we_do_not():
     assert round_to_dtype(x, torch.float16).item() == 1 + 2**-10
     m = compare_tensors(x.to(torch.float16), x)
     assert m.max_ulp == 1 and m.max_ulp_error > 0.5
+
+
+# -- the fast implementation against the pre-optimisation one (legacy_metrics.py) ----------
+
+def _same_numbers(old: TensorMetrics, new: TensorMetrics) -> None:
+    dx, dy = old.to_dict(), new.to_dict()
+    for k in dx:
+        if k == "p99_ulp" and dx[k] is not None and dx[k] >= 65536:
+            # the old p99 was the lower edge of a bin 2**-12 wide; the new one is exact
+            assert dx[k] <= dy[k] < dx[k] * (1 + 2**-12)
+        else:
+            assert dx[k] == dy[k], (k, dx[k], dy[k])
+            if isinstance(dx[k], float):  # bit for bit: the sign of zero too
+                assert math.copysign(1.0, dx[k]) == math.copysign(1.0, dy[k]), k
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float8_e5m2, torch.float64], ids=str)
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.sampled_from([0, 1, 7, 100, 4096, 4097, 70000]),
+       specials=st.booleans(), kind=st.sampled_from(["f64", "same", "identical"]),
+       tol=st.booleans(), chunk=st.sampled_from([4096, 1 << 20]))
+def test_fast_path_equals_legacy_bit_for_bit(dtype, seed, n, specials, kind, tol, chunk):
+    from .legacy_metrics import compare_tensors as legacy
+    a, e = _pair(seed, n, dtype, specials)
+    if dtype == torch.float64:
+        e = e * (1 + 2**-40)  # float64 ULP distances up to ~2**12
+    e = {"f64": e, "same": round_to_dtype(e, dtype), "identical": a.clone()}[kind]
+    kw = dict(atol=1e-2, rtol=1e-2) if tol else {}
+    _same_numbers(legacy(a, e, chunk_elems=chunk, **kw), compare_tensors(a, e, chunk_elems=chunk, **kw))
+
+
+def test_identical_tensors_take_the_shortcut_with_the_same_numbers():
+    from .legacy_metrics import compare_tensors as legacy
+    a, _ = _pair(5, 9000, torch.bfloat16, True)
+    m = compare_tensors(a, a.clone(), chunk_elems=4096)
+    _same_numbers(legacy(a, a.clone()), m)
+    assert m.max_abs_err == 0.0 and m.max_ulp == 0.0 and m.p99_ulp == 0.0 and m.nan_mismatch == 0
+    assert m.sqnr_db == math.inf and m.diff4_count == 0 and math.isnan(m.diff4)
+
+
+def test_overflowing_expected_leaves_the_fast_path():
+    # all finite, but 1e39 rounds to bf16 inf: must not count as finite-r
+    e = torch.tensor([1.0, 1e39, 3.0], dtype=torch.float64)
+    a = torch.tensor([1.0, math.inf, 3.0]).to(torch.bfloat16)
+    m = compare_tensors(a, e)
+    assert m.inf_mismatch == 0 and m.n_finite == 2 and m.max_ulp == 0
+
+
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+@pytest.mark.parametrize("keep", [True, False])
+def test_p99_is_exact_above_2_16_ulp_even_across_chunks(chunk, keep, monkeypatch):
+    import precisiondiff.comparators.metrics as M
+    if not keep:  # keep no large values: the coarse-bin + second-pass route
+        init = M._P99Histogram.__init__
+        monkeypatch.setattr(M._P99Histogram, "__init__", lambda self, dev, cap: init(self, dev, 0))
+    g = torch.Generator().manual_seed(7)
+    n = 30000
+    e = torch.randn(n, generator=g, dtype=torch.float64).to(torch.float32)
+    noise = torch.randint(0, 2**22, (n,), generator=g)
+    a = (e.view(torch.int32) + noise.to(torch.int32)).view(torch.float32)
+    m = compare_tensors(a, e, chunk_elems=chunk)
+    d = np.sort(noise.numpy().astype(np.float64))
+    assert m.p99_ulp == d[math.ceil(0.99 * n) - 1] and m.max_ulp == d[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fast_16bit_rounding_matches_round_to_odd_near_midpoints(dtype):
+    from precisiondiff.comparators.ulp import _fix_overflow, _round_to_odd_f32, float_format
+    g = torch.Generator().manual_seed(3)
+    fmt = float_format(dtype)
+    # float32 midpoints of the 16-bit format, nudged by a few float64 ULPs either way,
+    # over the whole range: subnormals, normals, the overflow threshold
+    v = torch.cat([torch.randn(20000, generator=g, dtype=torch.float64) * 2.0 ** k
+                   for k in (-140, -130, -20, -14, -10, 0, 10, 15, 120, 127)])
+    v = torch.cat([v, torch.tensor([fmt.overflow_threshold, fmt.max_finite, 2 * fmt.max_finite,
+                                    math.inf, -math.inf, math.nan, 0.0, -0.0],
+                                   dtype=torch.float64)])
+    r16 = round_to_dtype(v, dtype).to(torch.float64)
+    mid = ((r16 + torch.nextafter(r16.to(dtype), torch.tensor(math.inf, dtype=dtype))
+            .to(torch.float64)) / 2)
+    x = torch.cat([v, mid, torch.nextafter(mid, mid * 2), torch.nextafter(mid, mid * 0)])
+    x32 = _round_to_odd_f32(x)
+    want = _fix_overflow(x32, x32.to(dtype), fmt)
+    got = round_to_dtype(x, dtype)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
