@@ -4,7 +4,8 @@ Usage: python benchmarks/bench_compare.py [--sizes 64M,1G] [--dtypes float32,bfl
        [--device cpu] [--repeat 1]
 
 SIZE is the bytes of *each* tensor; the pair (actual in DTYPE, expected in float64 would
-double memory, so expected has the same DTYPE here) is 2*SIZE. Throughput = pair bytes / s.
+double memory, so expected has the same DTYPE here) is 2*SIZE. Throughput = pair bytes / s; ``ratio`` = compare / copy throughput, ``x copy`` = its inverse
+(how many copies of the pair one comparison costs). Both are timed in the same run.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}")
-    print(f"{'dtype':>9} {'size':>6} {'copy GB/s':>10} {'compare GB/s':>13} {'ratio':>7} {'compare s':>10}")
+    print(f"{'dtype':>9} {'size':>6} {'copy GB/s':>10} {'compare GB/s':>13} {'ratio':>7} "
+          f"{'compare s':>10} {'x copy':>7}")
     for name in args.dtypes.split(","):
         dt = getattr(torch, name)
         for s in args.sizes.split(","):
@@ -68,7 +70,8 @@ def main(argv=None) -> None:
             kw = {} if args.chunk_elems is None else {"chunk_elems": args.chunk_elems}
             t_cmp = _best(lambda: compare_tensors(a, e, **kw), args.repeat, dev)
             c, m = pair / t_copy / 1e9, pair / t_cmp / 1e9
-            print(f"{name:>9} {s:>6} {c:10.2f} {m:13.3f} {m / c:7.4f} {t_cmp:10.2f}", flush=True)
+            print(f"{name:>9} {s:>6} {c:10.2f} {m:13.3f} {m / c:7.4f} {t_cmp:10.2f} "
+                  f"{t_cmp / t_copy:7.1f}", flush=True)
             del a, e
 
 

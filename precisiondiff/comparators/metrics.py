@@ -1,11 +1,15 @@
 """Streamed tensor metrics: measure only, never judge (budgets judge: see tolerance.py).
 
-Both tensors are read in chunks of ``chunk_elems`` elements, converted to float64 on the
-compute device, and reduced to counts, maxima, per-block sums and an integer ULP histogram.
-Memory stays bounded by the chunk size. Sums are made independent of the chunking: each
-fixed 4096-element block (aligned to the flat index) is summed by a fixed pairwise tree of
-float64 additions, and the block sums are added with :func:`math.fsum` (exactly rounded), so a
+Both tensors are read in cache-sized tiles (at most ``chunk_elems`` elements), converted to
+float64 on the compute device into preallocated rows, and reduced to counts, maxima,
+per-block sums and an exact ULP-distance histogram, all kept on the device and read back
+once. Memory stays bounded by the tile size. Sums are independent of the tiling: each fixed
+4096-element block (aligned to the flat index) is summed by a fixed pairwise tree of float64
+additions, and the block sums are added with :func:`math.fsum` (exactly rounded), so a
 chunked comparison returns bit-identical numbers to an unchunked one.
+
+Fast paths give the same numbers with less work: bitwise-identical tensors, same dtypes (no
+rounding), and tiles where everything is finite (no NaN/Inf masks).
 """
 from __future__ import annotations
 
@@ -86,8 +90,8 @@ class TensorMetrics:
         sqnr_db: ``10 log10(sum e^2 / sum (a - e)^2)``; inf when equal.
         max_ulp: Largest :func:`ulp_distance` (integer ULPs of ``actual``'s dtype to ``r``).
         mean_ulp: Mean ULP distance.
-        p99_ulp: Nearest-rank 99th percentile of the ULP distance (exact below 65536 ULP,
-            else the lower edge of a bin 2**-12 wide relative).
+        p99_ulp: Nearest-rank 99th percentile of the ULP distance, exact (see
+            :class:`_P99Histogram`).
         max_ulp_error: Largest :func:`ulp_error` against the unrounded ``expected`` (0.5 =
             correctly rounded); what budgets judge.
         mean_ulp_error: Mean ulp_error over finite elements.
