@@ -8,6 +8,14 @@ import pytest
 
 pytest_plugins = ["pytester"]  # the plugin's own tests (tests/plugin) drive throw-away pytest runs
 
+# CI runs the property tests derandomized (each test's examples fixed by its name), so a red CI
+# always reproduces; locally they explore new examples on every run.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "tiny_transformer.py")
 

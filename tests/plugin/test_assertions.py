@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from precisiondiff.errors import PrecisionDiffError
@@ -33,7 +33,11 @@ def test_unknown_budget_is_refused():
 @parity_settings(max_examples=25)
 @given(inp=op_inputs(torch.ops.aten.gelu.default, dtype=torch.bfloat16, elements=st.floats(-3, 1e4, width=32)))
 def test_bf16_gelu_is_within_one_ulp_of_float64_above_minus_3(inp):
-    # below -3 the stock CPU kernel's fp32 1+erf cancels (docs/pytest.md): a known finding
+    # below -3 the stock CPU kernel's fp32 1+erf cancels (docs/pytest.md): a known finding.
+    # Subnormal results may be flushed to zero by the CPU's fp32->bf16 conversion instruction
+    # (AVX512-BF16 VCVTNEPS2BF16 flushes denormals; docs/pytest.md): hardware-dependent, excluded.
+    x = inp.args[0].double()
+    assume(not bool(((x != 0) & (x.abs() < 2.0 ** -124)).any()))
     assert_op_parity(torch.ops.aten.gelu.default, *inp.args, kwargs=inp.kwargs, target="cpu/bf16", max_ulp=1)
 
 
@@ -45,12 +49,27 @@ def test_bf16_gelu_negative_tail_is_a_known_kernel_finding():
 @parity_settings(max_examples=25)
 @given(inp=op_inputs(torch.ops.aten.gelu.default, dtype=torch.bfloat16))
 def test_bf16_gelu_special_values_never_mismatch_nan_or_inf(inp):
+    x = inp.args[0]
+    # finite inputs above ~1.7e38 overflow inside the stock kernel: pinned below as a finding
+    assume(not bool((x.isfinite() & (x.double().abs() > 1.6e38)).any()))
     r = check_op(
         torch.ops.aten.gelu.default, *inp.args, kwargs=inp.kwargs, target="cpu/bf16", max_ulp=1)
     assert r.checks[0].metrics["nan_mismatch"] == 0 and r.checks[0].metrics["inf_mismatch"] == 0
 
 
+def test_bf16_gelu_overflow_near_max_is_a_known_kernel_finding():
+    """The stock CPU gelu computes x * (1 + erf(x / sqrt 2)) in fp32 before halving: for
+    |x| >= 2**127 the product overflows, so gelu(1.7e38) is inf where float64 gives 1.7e38."""
+    r = check_op(torch.ops.aten.gelu.default, torch.tensor([1.7014e38, 1e38], dtype=torch.bfloat16),
+                 target="cpu/bf16", max_ulp=1)
+    m = r.checks[0].metrics
+    assert m["inf_mismatch"] == 1 and not r.passed
+
+
 @parity_settings(max_examples=15)
 @given(inp=op_inputs(torch.ops.aten.mm.default, dtype=torch.bfloat16, allow_nan=False, allow_inf=False))
 def test_bf16_mm_is_within_its_condition_aware_budget(inp):
+    a, b = inp.args
+    # a product beyond float32's range overflows in any fp32-accumulating kernel: out of scope
+    assume(bool((a.double().abs() @ b.double().abs()).max() < 1e38) if a.numel() and b.numel() else True)
     assert_op_parity(torch.ops.aten.mm.default, *inp.args, target="cpu/bf16")
