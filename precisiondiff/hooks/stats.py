@@ -17,18 +17,24 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..store.fingerprint import _BITS, _C1, _C2, fingerprint_hex, fingerprint_tensor
+from ..store.fingerprint import _BITS, PERIOD, bits_of, fingerprint_hex, fingerprint_tensor, salts
 
 __all__ = ["STAT_FIELDS", "StatsBatch", "SMALL_TENSOR_ELEMENTS"]
 
 STAT_FIELDS = ("min", "max", "mean", "abs_mean", "norm", "nan", "inf")
-SMALL_TENSOR_ELEMENTS = 1 << 16
+SMALL_TENSOR_ELEMENTS = PERIOD  # batched tensors fit one fingerprint period
 _EMPTY = {"min": None, "max": None, "mean": None, "abs_mean": None, "norm": 0.0, "nan": 0, "inf": 0,
           "fingerprint": fingerprint_hex([0, 0])}
 
 
-def _acc_dtype(device: torch.device) -> torch.dtype:
-    return torch.float64 if device.type == "cpu" else torch.float32
+def _acc_dtype(device: torch.device, dtype: "torch.dtype | None" = None) -> torch.dtype:
+    """float64 on the CPU, except for floats of 16 bits or fewer: float32 holds their sums of up
+    to 65536 elements far below their own resolution. float32 on accelerators."""
+    if device.type != "cpu":
+        return torch.float32
+    if dtype is not None and dtype.is_floating_point and dtype.itemsize <= 2:
+        return torch.float32
+    return torch.float64
 
 
 def _stat_vector(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +56,7 @@ def _segmented(flats: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     segmented order gives the same value).
     """
     device = flats[0].device
-    acc = _acc_dtype(device)
+    acc = _acc_dtype(device, flats[0].dtype)
     buf = torch.cat(flats)
     lengths = torch.tensor([f.numel() for f in flats], device=device)
     k = len(flats)
@@ -73,29 +79,16 @@ def _segmented(flats: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     stats[:, 0] = torch.where(has_nan, torch.nan, lo)
     stats[:, 1] = torch.where(has_nan, torch.nan, hi)
 
-    view_dtype, mask = _BITS[buf.element_size()]
-    bits = (buf if buf.dtype == view_dtype else buf.view(view_dtype)).to(torch.int64)
-    if mask is not None:
-        bits = bits & mask
+    # fingerprints (the formula of precisiondiff.store.fingerprint; every tensor here has at
+    # most PERIOD elements, so its period index j is 0): y = (b + 1) * S[r]
+    bits = bits_of(buf)
+    salt = torch.cat([salts(device)[: f.numel()] for f in flats])
+    y = (bits + 1) * salt
     ends = torch.cumsum(lengths, 0)
-    positions = _positions_times_c1(device)  # i * C1 for i < SMALL: sliced, never recomputed
-    salt = torch.cat([positions[: f.numel()] for f in flats])
-    y = (bits ^ salt) * _C2
-    mixed = y ^ (y >> 29)
     # Segment sums of int64 as differences of a wrapping prefix sum: exact modulo 2**64.
-    h1 = _segment_sums_int(mixed, ends)
-    h2 = _segment_sums_int(mixed * (bits | 1), ends)
+    h1 = _segment_sums_int(y, ends)
+    h2 = _segment_sums_int(y * bits, ends)
     return stats, torch.stack([h1, h2], dim=1)
-
-
-_POSITIONS: Dict[torch.device, torch.Tensor] = {}
-
-
-def _positions_times_c1(device: torch.device) -> torch.Tensor:
-    cached = _POSITIONS.get(device)
-    if cached is None:
-        cached = _POSITIONS[device] = torch.arange(SMALL_TENSOR_ELEMENTS, device=device) * _C1
-    return cached
 
 
 def _segment_sums_int(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -149,9 +142,9 @@ class StatsBatch:
         with torch.no_grad():
             for (device, _), items in self._small.items():
                 stats, fps = _segmented([f for _, f in items])
-                per_device.setdefault(device, []).append(([h for h, _ in items], stats, fps))
+                per_device.setdefault(device, []).append(([h for h, _ in items], stats.to(_acc_dtype(device)), fps))
             for device, items in self._large.items():
-                stats = torch.stack([v.to(_acc_dtype(device)) for _, v, _ in items])
+                stats = torch.stack([v.to(_acc_dtype(device)) for _, v, _ in items])  # float64 on CPU
                 fps = torch.stack([f for _, _, f in items])
                 per_device.setdefault(device, []).append(([h for h, _, _ in items], stats, fps))
             for groups in per_device.values():

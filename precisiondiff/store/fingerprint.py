@@ -4,24 +4,30 @@ The fingerprint reads a tensor's *bits* (never its values), so it is exact for e
 including NaN payloads, -0.0 and the float8 types, and it is the same on every device and
 for every reduction order: it only uses int64 arithmetic modulo 2**64, which is associative.
 
-For element ``i`` (in row-major order) with bit pattern ``b_i`` (zero-extended to int64)::
+Element ``i`` (row-major) is written ``i = j * P + r`` with ``P = 65536``; ``b_i`` is its bit
+pattern read as a signed integer of the element's width and sign-extended to int64 (a
+bijection, like zero-extension); ``S[r]`` is a fixed table of odd 64-bit salts
+(``splitmix64(r) | 1``)::
 
-    x_i = mix(b_i XOR (i * C1))            mix(x) = y ^ (y >> 29), y = x * C2
-    h1  = sum_i x_i                         (mod 2**64)
-    h2  = sum_i x_i * (b_i | 1)             (mod 2**64)
+    y_i = (b_i + j * C1 + 1) * S[r]        (mod 2**64)
+    h1  = sum_i y_i                        (mod 2**64)
+    h2  = sum_i y_i * b_i                  (mod 2**64)
 
-Two tensors with equal dtype, shape and fingerprint hold the same bits with overwhelming
-probability; the fingerprint is not cryptographic.
+Changing any one element changes ``h1`` (``S[r]`` is odd, so ``delta_b * S[r]`` is never 0 mod
+2**64); moving values between positions changes it with overwhelming probability (the salts
+differ). The salt table is computed once per device, so a tensor of up to 65536 elements costs
+five integer passes. Not cryptographic.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Dict, Sequence
 
 import torch
 
-__all__ = ["fingerprint_tensor", "fingerprint_hex", "fingerprint"]
+__all__ = ["fingerprint_tensor", "fingerprint_hex", "fingerprint", "salts", "PERIOD"]
 
 _MASK64 = (1 << 64) - 1
+PERIOD = 1 << 16
 
 
 def _signed(x: int) -> int:
@@ -29,13 +35,44 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= (1 << 63) else x
 
 
-_C1 = _signed(0x9E3779B97F4A7C15)  # golden ratio, odd
-_C2 = _signed(0xBF58476D1CE4E5B9)  # splitmix64 multiplier
-_CHUNK = 1 << 24  # elements per pass: bounds the int64 temporaries to ~128 MiB each
+_C1 = _signed(0x9E3779B97F4A7C15)  # golden ratio, odd: separates the periods j
+_CHUNK = 1 << 24  # elements per pass (rounded to a multiple of PERIOD): bounds temporaries
 
-# bit view of each element width, and the mask that zero-extends it to int64
-_BITS = {1: (torch.uint8, None), 2: (torch.int16, 0xFFFF), 4: (torch.int32, 0xFFFFFFFF),
-         8: (torch.int64, None)}
+# signed integer view of each element width
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+_SALTS: Dict[torch.device, torch.Tensor] = {}
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def salts(device: "torch.device | str" = "cpu") -> torch.Tensor:
+    """The ``PERIOD`` odd int64 salts ``S[r] = splitmix64(r) | 1`` on ``device`` (cached)."""
+    device = torch.device(device)
+    table = _SALTS.get(device)
+    if table is None:
+        cpu = _SALTS.get(torch.device("cpu"))
+        if cpu is None:
+            cpu = torch.tensor([_signed(_splitmix64(r) | 1) for r in range(PERIOD)], dtype=torch.int64)
+            _SALTS[torch.device("cpu")] = cpu
+        table = _SALTS[device] = cpu.to(device)
+    return table
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """The flat, sign-extended int64 bit patterns of ``t``'s elements (row-major)."""
+    size = t.element_size()
+    if size not in _BITS:
+        raise TypeError(f"fingerprint: unsupported dtype {t.dtype} ({size}-byte elements)")
+    flat = t.detach().reshape(-1)
+    if flat.dtype != _BITS[size]:
+        flat = flat.view(_BITS[size])
+    return flat.to(torch.int64)
 
 
 def fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -54,31 +91,32 @@ def fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
         TypeError: the element size is not 1, 2, 4 or 8 bytes (complex128).
 
     Example:
-        >>> fingerprint_hex(fingerprint_tensor(torch.zeros(3)).tolist())[:8]
-        '7ca3cab0'
+        >>> len(fingerprint_hex(fingerprint_tensor(torch.zeros(3)).tolist()))
+        32
     """
-    size = t.element_size()
-    if size not in _BITS:
-        raise TypeError(f"fingerprint: unsupported dtype {t.dtype} ({size}-byte elements)")
-    view_dtype, mask = _BITS[size]
+    if t.element_size() not in _BITS:
+        raise TypeError(f"fingerprint: unsupported dtype {t.dtype} ({t.element_size()}-byte elements)")
     flat = t.detach().reshape(-1)
-    if flat.dtype != view_dtype:
-        flat = flat.view(view_dtype)
     n = flat.numel()
-    parts = []
-    for start in range(0, n, _CHUNK):
-        b = flat[start:start + _CHUNK].to(torch.int64)
-        if mask is not None:
-            b = b & mask
-        i = torch.arange(start, start + b.numel(), dtype=torch.int64, device=b.device)
-        y = (b ^ (i * _C1)) * _C2
-        x = y ^ (y >> 29)
-        parts.append(torch.stack([x.sum(), (x * (b | 1)).sum()]))
-    if not parts:
-        return torch.zeros(2, dtype=torch.int64, device=t.device)
-    if len(parts) == 1:
-        return parts[0]
-    return torch.stack(parts).sum(dim=0)
+    table = salts(t.device)
+    chunk = max(PERIOD, _CHUNK // PERIOD * PERIOD)
+    total = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, n, chunk):
+        b = bits_of(flat[start:start + chunk])
+        rows = -(-b.numel() // PERIOD)
+        first = start // PERIOD
+        # one row per period j: b + j*C1 + 1, times the salts, all rows at once
+        offsets = torch.arange(first, first + rows, dtype=torch.int64, device=b.device) * _C1 + 1
+        full = (b.numel() // PERIOD) * PERIOD
+        if full:
+            head = b[:full].view(-1, PERIOD)
+            y = (head + offsets[: full // PERIOD, None]) * table
+            total += torch.stack([y.sum(), (y * head).sum()])
+        if full < b.numel():
+            tail = b[full:]
+            y = (tail + offsets[-1]) * table[: tail.numel()]
+            total += torch.stack([y.sum(), (y * tail).sum()])
+    return total
 
 
 def fingerprint_hex(t2: Sequence[int]) -> str:

@@ -122,8 +122,10 @@ def test_stats_are_right(example_spec):
             assert s["nan"] == t.isnan().sum().item() and s["inf"] == t.isinf().sum().item()
             assert s["min"] == t.min().item() and s["max"] == t.max().item()
             if s["inf"] == 0:
-                assert s["mean"] == pytest.approx(t.mean().item(), rel=1e-12, abs=1e-15)
-                assert s["norm"] == pytest.approx(t.norm().item(), rel=1e-12)
+                # 16-bit floats are summed in float32 on the CPU (docs/capture.md)
+                rel = 1e-5 if rec["dtype"] in ("bfloat16", "float16") else 1e-12
+                assert s["mean"] == pytest.approx(t.mean().item(), rel=rel, abs=1e-9)
+                assert s["norm"] == pytest.approx(t.norm().item(), rel=rel)
             checked.add(s["inf"] > 0)
     assert checked == {True, False}  # the causal mask's -inf scores are counted
 
@@ -215,7 +217,7 @@ def test_capture_to_disk_and_load(tmp_path, example_spec, fmt):
     assert out.key == "blocks.0.mlp.fc1/Linear#0:forward:output.0"
     assert out.has_data and out.dtype == "bfloat16" and tuple(out.shape) == (2, 16, 256)
     t = dump.tensor(out.key)
-    assert t.dtype == torch.bfloat16 and t.double().norm().item() == pytest.approx(out.stats["norm"], rel=1e-12)
+    assert t.dtype == torch.bfloat16 and t.double().norm().item() == pytest.approx(out.stats["norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -235,8 +237,9 @@ def test_batched_stats_equal_per_tensor_stats(dtype):
     for t, (hb, hs) in zip(tensors, handles):
         b, s = batched.get(hb), single.get(hs)
         assert b["fingerprint"] == s["fingerprint"] == fingerprint(t)
+        rel = 1e-5 if dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) else 1e-12
         for k in ("min", "max", "mean", "abs_mean", "norm", "nan", "inf"):
-            assert b[k] == pytest.approx(s[k], rel=1e-12, nan_ok=True), k
+            assert b[k] == pytest.approx(s[k], rel=rel, abs=1e-9, nan_ok=True), k
 
 
 def test_snapshot_is_taken_when_recorded():
