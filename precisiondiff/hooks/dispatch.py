@@ -70,11 +70,12 @@ class OpCaptureMode(TorchDispatchMode):
         if session.paused or not session.recording:
             return func(*args, **kwargs)
         name = self._name(func)
-        scope = session.current_scope()
+        backward = in_backward()
+        scope = session.current_scope(backward)
         if not name or not session.filter.want_scope(scope):
             return func(*args, **kwargs)
         rec = session.recorder
-        direction = "backward" if in_backward() else "forward"
+        direction = "backward" if backward else "forward"
         event = rec.begin("op", scope, name, direction)
         inputs = flatten_tensors((args, kwargs))
         skip = _overwritten(name, args, kwargs)

@@ -82,6 +82,17 @@ def _identity(t: torch.Tensor) -> tuple:
     return (t.device, ptr, t.shape, t.stride(), t.dtype, version)
 
 
+def _content_identity(t: torch.Tensor) -> Optional[tuple]:
+    """Same memory, same element order: (device, address, numel, dtype, version) of a contiguous
+    tensor; None for others."""
+    if not t.is_contiguous():
+        return None
+    try:
+        return (t.device, t.data_ptr(), t.numel(), t.dtype, t._version)
+    except RuntimeError:
+        return None
+
+
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type == "cpu":
@@ -125,6 +136,8 @@ class Recorder:
         # numbered) after the ops inside it, which may reference the same tensors.
         self._data: Dict[str, torch.Tensor] = {}
         self._seen: "collections.OrderedDict[tuple, Tuple[torch.Tensor, Optional[str], int]]" = collections.OrderedDict()
+        # content identity -> (tensor, stats handle), the same bounded window as _seen
+        self._same_content: "collections.OrderedDict[tuple, Tuple[torch.Tensor, int]]" = collections.OrderedDict()
 
     @property
     def stores_data(self) -> bool:
@@ -162,7 +175,20 @@ class Recorder:
             if store and self.stores_data:
                 data_key = key
                 copy = self._data[key] = _host_copy(t)
-            handle = self._stats.add(t, snapshot=copy)
+            # A reshaped view of a recorded contiguous tensor (view, unsqueeze, _unsafe_view: ops
+            # that are not recorded) holds the same elements in the same order: same statistics
+            # and fingerprint, so they are not computed again. Its data is stored under its own key.
+            content = _content_identity(t) if not fresh else None
+            same = self._same_content.get(content) if content is not None else None
+            if same is not None:
+                handle = same[1]
+            else:
+                handle = self._stats.add(t, snapshot=copy)
+                if content is not None:
+                    # keeping the tensor alive keeps its memory from being reused meanwhile
+                    self._same_content[content] = (t, handle)
+                    if len(self._same_content) > self.dedup_window:
+                        self._same_content.popitem(last=False)
             self._seen[ident] = (t, data_key, handle)
             if len(self._seen) > self.dedup_window:
                 self._seen.popitem(last=False)
@@ -219,6 +245,7 @@ class Recorder:
             self.sink.flush()
         self._stats.clear()
         self._seen.clear()
+        self._same_content.clear()
         self._data.clear()
         self._calls.clear()
         self.step += 1

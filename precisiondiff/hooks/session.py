@@ -31,11 +31,46 @@ log = logging.getLogger(__name__)
 # only, which is what we record. Not worth a warning per step; silenced while a session is open.
 _EXPECTED_WARNING = "Full backward hook is firing when gradients are computed"
 
+# Backward ops are attributed to modules through the autograd graph: when a module's forward
+# returns, the graph nodes it created are tagged with its scope; in backward, the op's scope is
+# the tag of the node the engine is running. Cheaper and more exact than module backward hooks
+# (which also miss modules whose inputs need no gradient). Feature-detected: older PyTorch
+# falls back to the hooks.
+_SCOPE_TAG = "precisiondiff_scope"
+_CURRENT_NODE = getattr(torch._C, "_current_autograd_node", None)
+
 
 def _rank_and_world() -> "tuple[int, int]":
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _tag_graph(output: Any, scope: str, boundary: list, shortcuts: Dict[int, list]) -> None:
+    """Tag the autograd nodes a module call created (between its inputs and its outputs) with
+    its scope. Inner modules return first, so a node keeps the innermost scope; an inner call's
+    output node carries a shortcut to the inner call's input nodes, so each node is walked once
+    (reading ``next_functions`` is the expensive part)."""
+    outputs = [t.grad_fn for t in flatten_tensors(output) if t.grad_fn is not None]
+    stop = {id(node) for node in boundary}
+    stack = list(outputs)
+    seen: set = set()
+    while stack:
+        node = stack.pop()
+        key = id(node)
+        if key in seen or key in stop:
+            continue
+        seen.add(key)
+        jump = shortcuts.get(key)
+        if jump is not None:  # an inner module's output: continue from that module's inputs
+            stack.extend(jump)
+            continue
+        metadata = node.metadata
+        if _SCOPE_TAG not in metadata:
+            metadata[_SCOPE_TAG] = scope
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    for node in outputs:
+        shortcuts[id(node)] = boundary
 
 
 class CaptureSession:
@@ -88,6 +123,9 @@ class CaptureSession:
         self._touched: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueDictionary()
         self._param_owner: Dict[int, tuple] = {}
         self._mode: Optional[OpCaptureMode] = None
+        self._tag_nodes = _CURRENT_NODE is not None and level in ("op", "all")
+        self._boundaries: Dict[int, List[list]] = {}
+        self._shortcuts: Dict[int, list] = {}  # keyed by id(node); cleared every step
         self.recorder: Optional[Recorder] = None
 
     # -- state -------------------------------------------------------------------------------
@@ -101,7 +139,14 @@ class CaptureSession:
         return (self.recorder is not None and self.filter.want_rank(self.rank)
                 and self.filter.want_step(self.recorder.step))
 
-    def current_scope(self) -> str:
+    def current_scope(self, backward: bool = False) -> str:
+        """The module path the running op belongs to (``backward``: from the autograd node)."""
+        if backward and self._tag_nodes:
+            node = _CURRENT_NODE()
+            if node is not None:
+                scope = node.metadata.get(_SCOPE_TAG)
+                if scope is not None:
+                    return scope
         return self._stack[-1] if self._stack else ""
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -153,6 +198,8 @@ class CaptureSession:
         finally:
             self.paused = False
         self._stack.clear()
+        self._shortcuts.clear()
+        self._boundaries.clear()
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -176,8 +223,9 @@ class CaptureSession:
             self._handles.append(module.register_forward_pre_hook(self._fwd_pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._fwd_post, with_kwargs=True,
                                                               always_call=True))
-            self._handles.append(module.register_full_backward_pre_hook(self._bwd_pre))
-            self._handles.append(module.register_full_backward_hook(self._bwd_post))
+            if self.level != "op" or not self._tag_nodes:  # module backward events, or scopes
+                self._handles.append(module.register_full_backward_pre_hook(self._bwd_pre))
+                self._handles.append(module.register_full_backward_hook(self._bwd_post))
 
     def _hook_globally(self) -> None:
         from torch.nn.modules import module as nn_module
@@ -215,6 +263,9 @@ class CaptureSession:
     def _fwd_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         scope = self._names.get(module, "")
         self._stack.append(scope)
+        if self._tag_nodes and torch.is_grad_enabled() and self.recording:
+            self._boundaries.setdefault(id(module), []).append(
+                [t.grad_fn for t in flatten_tensors((args, kwargs)) if t.grad_fn is not None])
         if not self._wants(module):
             return
         self.paused = True
@@ -242,6 +293,9 @@ class CaptureSession:
         scope = self._names.get(module, "")
         if scope in self._stack:
             del self._stack[len(self._stack) - 1 - self._stack[::-1].index(scope)]
+        boundaries = self._boundaries.get(id(module))
+        if boundaries:
+            _tag_graph(output, scope, boundaries.pop(), self._shortcuts)
         pending = self._fwd_inputs.get(id(module))
         if not pending:
             return

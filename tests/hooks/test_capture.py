@@ -266,3 +266,18 @@ def test_multi_rank_runs_write_rank_directories_and_rank_filter(tmp_path, monkey
     events = list(dump.events())
     assert events and all(e.rank == 1 for e in events)
     assert list(load(tmp_path / "skip").events()) == []
+
+
+def test_reshaped_views_share_statistics_not_data():
+    sink = MemorySink()
+    with capture(model=nn.Identity(), sink=sink, mode="tensors", level="op", views=False):
+        x = torch.arange(12.0) * 2          # recorded: mul output
+        y = x.view(3, 4)                     # a view op: not recorded
+        z = y.sum(dim=0)                     # its input is the reshaped view of x
+    mul = next(e for e in sink.events if e["name"] == "aten.mul.Tensor")
+    total = next(e for e in sink.events if e["name"] == "aten.sum.dim_IntList")
+    out = next(t for t in mul["tensors"] if t["slot"] == "output.0")
+    inp = next(t for t in total["tensors"] if t["slot"] == "input.0")
+    assert inp["shape"] == [3, 4] and inp["stats"] == out["stats"]
+    assert torch.equal(sink.tensor(inp), torch.arange(12.0).view(3, 4) * 2)
+    assert torch.equal(sink.tensor(next(t for t in total["tensors"] if t["slot"] == "output.0")), z)
