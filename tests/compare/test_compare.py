@@ -172,3 +172,31 @@ def test_planted_drift_is_the_first_divergence(capture_example):
     assert (first["scope"], first["name"], first["direction"]) == ("1", "pdcompare.rough_gelu.default", "forward")
     row = next(r for r in result.rows if r.key == first["key"])
     assert "relative L2 error" in row.message and "bisect" in row.message
+
+
+def _two_rank_capture(path, target, monkeypatch, scale=1.0):
+    import torch
+    from torch import nn
+
+    from precisiondiff.hooks import capture
+    from precisiondiff.targets import Target
+    t = Target.parse(target)
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        torch.manual_seed(rank)
+        model = t.prepare_model(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)))
+        x = t.prepare_inputs(torch.randn(4, 8)) * (scale if rank == 1 else 1.0)
+        with capture(path, model=model, mode="tensors", meta={"target": target}):
+            model(x)
+
+
+def test_multi_rank_dumps_compare_rank_by_rank(tmp_path, monkeypatch):
+    _two_rank_capture(tmp_path / "a", "cpu/bf16", monkeypatch)
+    _two_rank_capture(tmp_path / "b", "cpu/float64", monkeypatch)
+    result = compare(tmp_path / "a", tmp_path / "b")
+    assert set(result.ranks) == {0, 1}
+    assert {r.rank for r in result.rows} == {0, 1}
+    assert result.summary["tensors"] == sum(v["tensors"] for v in result.ranks.values())
+    data = json.loads(result.to_json())
+    assert set(data["ranks"]) == {"0", "1"}
