@@ -64,9 +64,16 @@ def test_end_to_end_parity(parity, name):
     parity.check(ZOO[name])
 
 
-@pytest.mark.parity(kernels=True)
+@pytest.mark.parity(kernels=True, direction="forward")
 def test_transformer_kernels_within_budget(parity):
-    """Every op of the clean transformer, forward and backward, is within its own budget."""
+    """Every forward op of the clean transformer is within its own budget."""
+    parity.check(tiny_transformer.build)
+
+
+@pytest.mark.xfail(strict=True, reason="stock CPU kernel finding: aten.embedding_dense_backward "
+                   "accumulates bf16 gradient rows in bf16 (docs/bisect.md)")
+@pytest.mark.parity(kernels=True, direction="backward")
+def test_transformer_backward_kernels_within_budget(parity):
     parity.check(tiny_transformer.build)
 
 

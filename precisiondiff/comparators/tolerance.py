@@ -52,6 +52,9 @@ _REDUCTION = {
     "std_mean", "norm", "linalg_vector_norm", "logsumexp", "avg_pool1d", "avg_pool2d",
     "avg_pool3d", "_adaptive_avg_pool2d", "adaptive_avg_pool2d", "embedding_bag",
     "_embedding_bag", "index_add", "scatter_add", "scatter_reduce", "trace",
+    # scatter-adds of gradients: a sum per row of the weight
+    "embedding_dense_backward", "embedding_backward", "_embedding_bag_backward",
+    "_embedding_bag_dense_backward",
     "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
     "AdaptiveAvgPool3d", "EmbeddingBag",
 }
