@@ -69,7 +69,8 @@ def capture_script(script: str, args: List[str], out: "str | os.PathLike", *, le
         raise WorkloadError(f"script not found: {script}")
     from .workload import seed_everything
     seed_everything(seed)
-    meta = {"target": "script", "seed": seed, "workload": f"--script {script}", "script_args": args}
+    meta = {"target": "script", "seed": seed, "workload": f"--script {script}", "script_args": args,
+            "argv": list(sys.argv)}  # precisiondiff's own command line, before the script's replaces it
     saved_argv = sys.argv[:]
     sys.argv = [script, *args]
     code = 0

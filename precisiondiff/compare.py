@@ -399,11 +399,13 @@ def _compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge
                   ) -> Iterator[Row]:
     ev_a, ev_b = list(da.events()), list(db.events())
     la, lb = da.meta.get("level"), db.meta.get("level")
-    if la != lb and "all" in (la, lb):  # one side has op events the other cannot have
-        only = "op" if la == "all" else None
-        ev_a = [e for e in ev_a if not (only == "op" and e.kind == "op")]
-        ev_b = [e for e in ev_b if not (only is None and e.kind == "op")]
-        notes.append(f"A was captured at level {la}, B at {lb}: only module events are compared")
+    if la != lb and "all" in (la, lb):  # compare only the kinds both levels record
+        other = lb if la == "all" else la
+        kinds = {"op"} if other == "op" else {"module", "param"}
+        ev_a = [e for e in ev_a if e.kind in kinds]
+        ev_b = [e for e in ev_b if e.kind in kinds]
+        what = "op" if other == "op" else "module and parameter-gradient"
+        notes.append(f"A was captured at level {la}, B at {lb}: only {what} events are compared")
     ev_a = [e for e in ev_a if keep(e)]
     ev_b = [e for e in ev_b if keep(e)]
     alignment: Alignment = align_events(_refs(ev_a), _refs(ev_b))

@@ -146,3 +146,22 @@ def test_full_disk_is_a_clear_error_and_keeps_data(tmp_path, example_spec, monke
     assert dump.complete is False
     kept = list(dump.events())
     assert kept and all(dump.tensor(t.key) is not None for e in kept for t in e.tensors if t.has_data)
+
+
+def test_a_script_that_raises_keeps_what_it_recorded(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        model = nn.Linear(4, 2)
+        for _ in range(3):
+            model(torch.randn(2, 4))
+        raise RuntimeError("data loader exploded")
+    """))
+    out = tmp_path / "b"
+    r = pd_cli("capture", "--script", str(script), "-o", str(out), "--mode", "tensors", "--level", "module")
+    assert r.returncode == 2 and "data loader exploded" in r.stderr and "kept" in r.stderr
+    dump = store.load(out)
+    assert dump.complete is False
+    assert len([e for e in dump.events() if e.name == "Linear"]) == 3
+    assert dump.meta["argv"][0].endswith(("cli.py", "precisiondiff")) and "--script" in dump.meta["argv"]

@@ -82,6 +82,10 @@ def _identity(t: torch.Tensor) -> tuple:
     return (t.device, ptr, t.shape, t.stride(), t.dtype, version)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _content_identity(t: torch.Tensor) -> Optional[tuple]:
     """Same memory, same element order: (device, address, numel, dtype, version) of a contiguous
     tensor; None for others."""
@@ -117,14 +121,18 @@ class Recorder:
         rank: this process's rank.
         batch_events: events held before their statistics are read back at once.
         batch_elements: snapshotted small-tensor elements held before a read-back (memory bound).
+        dedup_bytes: ... and at most this many bytes of them (large activations on a device).
         dedup_window: recently recorded tensors kept alive so their storage cannot be reused
             by another tensor that would then be mistaken for them.
     """
 
     def __init__(self, sink: Sink, *, mode: str = "stats", multi_step: Optional[bool] = None, rank: int = 0,
-                 batch_events: int = 512, batch_elements: int = 1 << 24, dedup_window: int = 1024) -> None:
+                 batch_events: int = 512, batch_elements: int = 1 << 24, dedup_window: int = 1024,
+                 dedup_bytes: int = 256 << 20) -> None:
         self.sink, self.mode, self.multi_step, self.rank = sink, mode, multi_step, rank
         self.batch_events, self.batch_elements, self.dedup_window = batch_events, batch_elements, dedup_window
+        self.dedup_bytes = dedup_bytes
+        self._kept_bytes = 0
         self.step = 0
         self.seq = 0
         self.events_written = 0
@@ -187,11 +195,10 @@ class Recorder:
                 if content is not None:
                     # keeping the tensor alive keeps its memory from being reused meanwhile
                     self._same_content[content] = (t, handle)
-                    if len(self._same_content) > self.dedup_window:
-                        self._same_content.popitem(last=False)
+                    self._kept_bytes += _nbytes(t)
             self._seen[ident] = (t, data_key, handle)
-            if len(self._seen) > self.dedup_window:
-                self._seen.popitem(last=False)
+            self._kept_bytes += _nbytes(t)
+            self._evict()
         record = {"key": key, "slot": slot, "dtype": str(t.dtype).removeprefix("torch."),
                   "shape": list(t.shape), "stats": None, "data_key": data_key}
         event.tensors.append((record, handle))
@@ -200,6 +207,13 @@ class Recorder:
             event.device, event.output_seen = str(t.device), True
         elif event.device is None:
             event.device = str(t.device)
+
+    def _evict(self) -> None:
+        """Forget the oldest tensors beyond the window's count or bytes (they may be freed)."""
+        for table in (self._seen, self._same_content):
+            while table and (len(table) > self.dedup_window or self._kept_bytes > self.dedup_bytes):
+                _, entry = table.popitem(last=False)
+                self._kept_bytes -= _nbytes(entry[0])
 
     def slot_of(self, event: PendingEvent, t: torch.Tensor) -> str:
         """The slot a tensor of this event was recorded under (for replay arguments)."""
@@ -246,6 +260,7 @@ class Recorder:
         self._stats.clear()
         self._seen.clear()
         self._same_content.clear()
+        self._kept_bytes = 0
         self._data.clear()
         self._calls.clear()
         self.step += 1

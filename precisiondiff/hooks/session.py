@@ -182,12 +182,26 @@ class CaptureSession:
             self._mode = None
         self._remove_hooks()
         self._warnings.__exit__(None, None, None)
+        # Whatever stopped the run, what was recorded is written. When an error is already on
+        # its way out (a script that raised, a full disk), a second one from the sink must not
+        # replace it: it is logged instead.
         try:
-            if exc_type is None or not isinstance(exc, PrecisionDiffError):
-                self._emit_param_grads()
-                self.recorder.flush()
-        finally:
-            self._sink.close(complete=exc_type is None)
+            self._emit_param_grads()
+            self.recorder.flush()
+        except PrecisionDiffError as err:
+            if exc_type is None:
+                self._close_sink(complete=False, propagating=True)
+                raise
+            log.warning("could not write the last events: %s", err)
+        self._close_sink(complete=exc_type is None, propagating=exc_type is not None)
+
+    def _close_sink(self, *, complete: bool, propagating: bool) -> None:
+        try:
+            self._sink.close(complete=complete)
+        except PrecisionDiffError as err:
+            if not propagating:
+                raise
+            log.warning("could not close the dump: %s", err)
 
     def step(self) -> None:
         """End a training step: emit parameter gradients, then number events from step+1."""

@@ -28,13 +28,9 @@ _EMPTY = {"min": None, "max": None, "mean": None, "abs_mean": None, "norm": 0.0,
 
 
 def _acc_dtype(device: torch.device, dtype: "torch.dtype | None" = None) -> torch.dtype:
-    """float64 on the CPU, except for floats of 16 bits or fewer: float32 holds their sums of up
-    to 65536 elements far below their own resolution. float32 on accelerators."""
-    if device.type != "cpu":
-        return torch.float32
-    if dtype is not None and dtype.is_floating_point and dtype.itemsize <= 2:
-        return torch.float32
-    return torch.float64
+    """float64 on the CPU; float32 on accelerators (which may lack fast float64). Not float32 for
+    16-bit floats on the CPU: bf16 reaches 3.4e38, whose square or sum overflows float32."""
+    return torch.float64 if device.type == "cpu" else torch.float32
 
 
 def _stat_vector(t: torch.Tensor) -> torch.Tensor:

@@ -200,3 +200,11 @@ def test_multi_rank_dumps_compare_rank_by_rank(tmp_path, monkeypatch):
     assert result.summary["tensors"] == sum(v["tensors"] for v in result.ranks.values())
     data = json.loads(result.to_json())
     assert set(data["ranks"]) == {"0", "1"}
+
+
+@pytest.mark.parametrize("level_b,kinds", [("op", {"op"}), ("module", {"module", "param"})])
+def test_level_all_compares_with_a_narrower_level(capture_example, level_b, kinds):
+    result = compare(capture_example("cpu/bf16", "all", "tensors"), capture_example("cpu/float64", level_b, "tensors"))
+    assert result.summary["tensors"] > 20
+    assert {r.kind for r in result.rows if r.verdict != "unmatched"} == kinds
+    assert any("only" in n for n in result.notes)

@@ -281,3 +281,24 @@ def test_reshaped_views_share_statistics_not_data():
     assert inp["shape"] == [3, 4] and inp["stats"] == out["stats"]
     assert torch.equal(sink.tensor(inp), torch.arange(12.0).view(3, 4) * 2)
     assert torch.equal(sink.tensor(next(t for t in total["tensors"] if t["slot"] == "output.0")), z)
+
+
+def test_statistics_of_huge_bf16_values_stay_finite_on_the_cpu():
+    from precisiondiff.hooks.stats import StatsBatch
+    batch = StatsBatch()
+    small, large = torch.full((100,), 1e20).to(torch.bfloat16), torch.full((70000,), 1e20).to(torch.bfloat16)
+    hs, hl = batch.add(small), batch.add(large)
+    batch.resolve()
+    for h, n in ((hs, 100), (hl, 70000)):
+        s = batch.get(h)
+        assert s["norm"] == pytest.approx(float(small[0]) * n ** 0.5, rel=1e-6) and s["inf"] == 0
+
+
+def test_dedup_window_is_bounded_in_bytes():
+    from precisiondiff.hooks.recorder import Recorder
+    rec = Recorder(MemorySink(), dedup_bytes=1 << 20)
+    for _ in range(10):
+        ev = rec.begin("op", "", "aten.add.Tensor", "forward")
+        rec.add(ev, "output.0", torch.ones(1 << 17))  # 512 KiB each
+        rec.finish(ev)
+    assert rec._kept_bytes <= 1 << 20 and len(rec._seen) <= 2
