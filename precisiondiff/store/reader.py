@@ -5,6 +5,8 @@ memory-mapped safetensors shards (or HDF5 datasets). Nothing is ever unpickled.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import collections
 import json
 import logging
@@ -155,8 +157,12 @@ class Dump:
             ...     print(ev.seq, ev.scope, ev.name)
         """
         if self._multi:
-            for d in self.ranks.values():
-                yield from d.events(kind=kind, direction=direction, step=step)
+            # keys carry their rank ("rank1/blocks.0/Linear#0:forward:output.0") so that
+            # dump.tensor(t.key) works on the aggregate as on a single-rank dump
+            for rank, d in self.ranks.items():
+                for ev in d.events(kind=kind, direction=direction, step=step):
+                    tensors = [dataclasses.replace(t, key=f"rank{rank}/{t.key}") for t in ev.tensors]
+                    yield dataclasses.replace(ev, tensors=tensors)
             return
         for number, obj, _ in iter_index(self.path):
             try:
@@ -345,8 +351,9 @@ def load(path: Union[str, Path]) -> Dump:
         if rank_dirs:
             ranks = {r: Dump(p, read_meta(p)) for r, p in rank_dirs}
             first = next(iter(ranks.values())).meta
-            meta = {"format_version": first["format_version"], "format": first.get("format"),
-                    "world_size": int(first.get("world_size") or len(ranks)),
-                    "ranks": sorted(ranks), "complete": all(d.complete for d in ranks.values())}
+            # rank 0's provenance (target, level, mode, versions...), with the aggregate's fields
+            meta = {k: v for k, v in first.items() if k not in ("rank", "pid", "events", "tensors", "bytes")}
+            meta.update({"world_size": int(first.get("world_size") or len(ranks)),
+                         "ranks": sorted(ranks), "complete": all(d.complete for d in ranks.values())})
             return Dump(path, meta, ranks=ranks)
     return Dump(path, read_meta(path))

@@ -302,3 +302,21 @@ def test_dedup_window_is_bounded_in_bytes():
         rec.add(ev, "output.0", torch.ones(1 << 17))  # 512 KiB each
         rec.finish(ev)
     assert rec._kept_bytes <= 1 << 20 and len(rec._seen) <= 2
+
+
+def test_documented_read_loop_works_on_multi_rank_dumps(tmp_path, monkeypatch):
+    from precisiondiff.store import load
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        model = nn.Linear(3, 2)
+        with capture(tmp_path / "d", model=model, mode="tensors", meta={"target": "cpu/fp32"}):
+            model(torch.randn(2, 3))
+    dump = load(tmp_path / "d")
+    assert dump.meta["target"] == "cpu/fp32" and dump.meta["mode"] == "tensors" and dump.meta["ranks"] == [0, 1]
+    seen = set()
+    for ev in dump.events():
+        for t in ev.tensors:
+            assert dump.tensor(t.key).shape == tuple(t.shape)
+            seen.add(ev.rank)
+    assert seen == {0, 1}
