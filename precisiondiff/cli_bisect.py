@@ -50,7 +50,7 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, or DUT_DUMP [REF_DUMP])."""
     from .bisect import bisect as run_live, bisect_dump
     from .bisect.render import summary_lines
-    from .errors import BisectError
+    from .errors import PrecisionDiffError, BisectError
     offline = os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json"))
     if not offline and ref_dump is not None:
         raise BisectError(f"{source} is not a dump directory, so REF_DUMP makes no sense; "
@@ -66,7 +66,10 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
                               budgets=list(budgets), progress=progress)
     text = result.dumps() if fmt == "json" else "\n".join(summary_lines(result))
     if out:
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+        try:
+            with open(out, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        except OSError as err:
+            raise PrecisionDiffError(f"cannot write {out}: {err.strerror or err}; choose a writable path") from err
     click.echo(text)
     sys.exit(result.exit_code)

@@ -123,8 +123,11 @@ def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, 
             from rich.console import Console
 
             from .report.table import render_table
-            with open(out, "w", encoding="utf-8") as fh:
-                render_table(c, Console(file=fh, width=200, highlight=False), rows=rows)
+            try:
+                with open(out, "w", encoding="utf-8") as fh:
+                    render_table(c, Console(file=fh, width=200, highlight=False), rows=rows)
+            except OSError as err:
+                raise PrecisionDiffError(f"cannot write {out}: {err.strerror or err}; choose a writable path") from err
     ctx.exit(c.exit_code)
 
 

@@ -343,7 +343,15 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
     _check_meta(dump_a.meta, dump_b.meta, dump_n.meta if dump_n else None, noise)
     judge = _Judge(budgets)
     judge.run_dtype = run_dtype(dump_a.meta.get("target"))
-    scope_re, op_re = (re.compile(scope) if scope else None), (re.compile(op) if op else None)
+    from .hooks.filters import compile_regex
+    scope_re, op_re = compile_regex(scope, "--scope"), compile_regex(op, "--op")
+    if device is not None:
+        from .errors import TargetError
+        from .targets import Target
+        try:
+            Target.parse(device).check_available()
+        except TargetError as err:
+            raise TargetError(f"--device {device}: {err}".replace("pick another --target", "pick another --device")) from err
 
     def keep(ev: Any) -> bool:
         return ((scope_re is None or scope_re.search(ev.scope) is not None)

@@ -132,7 +132,9 @@ def judge_stats(m: Mapping[str, Any], dtype: str, *, key: str = "",
             return False, f"{what}: {dtype} statistics differ (allowed: identical). {hint}"
         return True, ""
     if dtype not in STATS_RTOL:
-        raise ValueError(f"no statistics bound for dtype {dtype}")
+        from .errors import PrecisionDiffError
+        raise PrecisionDiffError(f"{what}: no statistics bound for dtype {dtype}; capture with "
+                                 "--mode tensors to compare it element-wise")
     bound = max(STATS_RTOL[dtype], STATS_RTOL.get(run_dtype or "", 0.0))
     worst = max(((m[k], k) for k in _REL if isinstance(m.get(k), float)), default=(0.0, ""),
                 key=lambda t: math.inf if math.isnan(t[0]) else t[0])

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from ..errors import PrecisionDiffError
 
-__all__ = ["CaptureFilter", "parse_selection"]
+__all__ = ["CaptureFilter", "parse_selection", "compile_regex"]
 
 
 def parse_selection(text: "str | Sequence[int] | None") -> Optional[frozenset]:
@@ -36,6 +36,11 @@ def parse_selection(text: "str | Sequence[int] | None") -> Optional[frozenset]:
         except ValueError as err:
             raise PrecisionDiffError(f"bad selection {text!r}: use N, N-M or a comma list like 0,2-4") from err
     return frozenset(chosen)
+
+
+def compile_regex(pattern: Optional[str], what: str) -> "Optional[re.Pattern[str]]":
+    """Compile a user's regex; a malformed one is a :class:`PrecisionDiffError` naming ``what``."""
+    return _compile(pattern, what)
 
 
 def _compile(pattern: Optional[str], what: str) -> "Optional[re.Pattern[str]]":

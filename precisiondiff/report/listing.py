@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Optional
 
 import torch
@@ -43,15 +42,15 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
     """Print the dump's provenance and a table of its events; returns the number of events shown."""
     from rich.table import Table
 
+    from ..hooks.filters import compile_regex
     from ..store import load
+    scope_re, name_re = compile_regex(scope, "--scope"), compile_regex(name, "--name")
     dump = load(path)
     meta = dump.meta
     state = "complete" if dump.complete else "PARTIAL (the run did not finish)"
     console.print(f"[bold]{path}[/]: target {meta.get('target', '?')}, {meta.get('level', '?')}/"
                   f"{meta.get('mode', '?')}, {meta.get('format', '?')}, torch {meta.get('torch', '?')}, "
                   f"{state}")
-    scope_re = re.compile(scope) if scope else None
-    name_re = re.compile(name) if name else None
     table = Table(show_lines=False, header_style="bold", pad_edge=False)
     for col in ("seq", "step", "kind", "dir", "scope", "name", "#", "device", "slot", "dtype", "shape",
                 "min", "max", "mean", "norm", "nan/inf", "data"):

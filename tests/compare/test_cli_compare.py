@@ -118,3 +118,20 @@ def test_scan_of_the_clean_example_and_vanishing_gradients(pair, tmp_path):
     res = _run("scan", d, "--format", "json")
     doc = json.loads(res.output)
     assert res.exit_code == 1 and doc["first_vanish"]["scope"] == "blocks.0"
+
+
+def test_more_bad_input_is_one_line_exit_2(capture_example, tmp_path):
+    from click.testing import CliRunner
+
+    from precisiondiff.cli import cli
+    a, b = capture_example("cpu/bf16", "all", "tensors"), capture_example("cpu/float64", "all", "tensors")
+    cases = [
+        (["compare", a, b, "--scope", "("], "bad --scope regex"),
+        (["ls", a, "--name", "["], "bad --name regex"),
+        (["compare", a, b, "-o", str(tmp_path / "missing" / "x.txt")], "cannot write"),
+        (["compare", a, b, "--device", "cuda:9"], "--device cuda:9"),
+    ]
+    for argv, needle in cases:
+        r = CliRunner().invoke(cli, argv)
+        assert r.exit_code == 2, (argv, r.output)
+        assert needle in r.output and "Traceback" not in r.output, (argv, r.output)
