@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from .align import Alignment, EventRef, align_events
 from .compare_stats import compare_stats, judge_stats, run_dtype, stats_error
-from .errors import AlignmentError
+from .errors import AlignmentError, PrecisionDiffError
 
 __all__ = ["Row", "Comparison", "compare", "NOISE_FACTOR", "DEFAULT_SLOTS", "UNINITIALIZED"]
 
@@ -194,13 +194,16 @@ def _wanted(slot: str, inputs: bool) -> bool:
 
 
 class _Judge:
-    """Budgets from the comparators, cached per (dtype, op class); overrides by op name."""
+    """The end-to-end rule for rows of two whole runs, with an optional ``rel_l2`` override."""
 
     def __init__(self, budgets: Any) -> None:
         from . import comparators as C
         self._C = C
+        if budgets is not None and (not isinstance(budgets, Mapping) or set(budgets) - {"rel_l2"}
+                                    or not isinstance(budgets.get("rel_l2"), (int, float))):
+            raise PrecisionDiffError(f"compare budgets: only {{'rel_l2': number}} is accepted, not "
+                                     f"{budgets!r} (per-op kernel budgets are bisect's: --budget)")
         self._overrides = budgets
-        self._cache: Dict[Tuple[str, str], Any] = {}
         self.run_dtype: Optional[str] = None  # the DUT run's dtype (from its target)
 
     def op_class(self, name: str) -> str:
@@ -228,20 +231,6 @@ class _Judge:
         return False, (f"{key}: relative L2 error {error:.3g} > {bound:.3g} ({rule}); worst element: abs err {_fmt(m.get('max_abs_err'))}, rel err "
                        f"{_fmt(m.get('max_rel_err'))}, {_fmt(m.get('max_ulp_error'))} ULP. "
                        "Hint: precisiondiff bisect tells whether this op's own arithmetic is at fault.")
-
-    def budget(self, dtype: str, name: str) -> Tuple[Any, str]:
-        cls = self.op_class(name)
-        if callable(self._overrides):
-            return self._overrides(dtype, cls, name), cls
-        if isinstance(self._overrides, Mapping):
-            for pattern, budget in self._overrides.items():
-                if re.search(pattern, name):
-                    return budget, cls
-        key = (dtype, cls)
-        if key not in self._cache:
-            from .store.schema import dtype_from_name
-            self._cache[key] = self._C.budget_for(dtype_from_name(dtype), cls)
-        return self._cache[key], cls
 
 
 def _fmt(v: Any) -> str:
@@ -313,8 +302,8 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
         kind: ``"module"``, ``"op"`` or ``"param"``.
         only_failing: keep only failing rows in :attr:`Comparison.rows` (the summary counts all).
         inputs: compare input slots too (default: outputs, grad inputs, parameter gradients).
-        budgets: override the comparators' budgets: a callable ``(dtype, op_class, name) ->
-            Budget`` or a mapping ``{op-name regex: Budget}``.
+        budgets: ``{"rel_l2": x}`` replaces the end-to-end bound (8 unit roundoffs of the run's
+            precision) every tensor is judged against.
         device: run the element-wise comparisons there (``"cuda"``, ``"mlu"``).
         noise: a second capture of the DUT: rows within its run-to-run error are not divergence.
         progress: called as ``progress(done, total)`` after each event pair.

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .comparators.tolerance import END_TO_END_FACTOR
+from .comparators.tolerance import END_TO_END_FACTOR, end_to_end_bound
 
 from .errors import PrecisionDiffError
 from .targets import Target, default_dut, default_ref, dtype_name, move_inputs
@@ -371,7 +371,7 @@ def check(workload: Any, inputs: Any = None, *, target: "str | Target | None" = 
     golden.check_available()
     built = as_workload(workload, inputs, loss=loss, seed=seed)
     bound = _bounds(dut.dtype, budgets)
-    bound.setdefault("rel_l2", PARITY_FACTOR * torch.finfo(dut.dtype).eps / 2)
+    bound.setdefault("rel_l2", end_to_end_bound(dut.dtype))
     actual, expected = _run(built, dut), _run(built, golden)
     result = ParityResult(built.name, str(dut), str(golden))
     for key, tensor in actual.items():

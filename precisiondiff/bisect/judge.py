@@ -42,12 +42,15 @@ _MAGNITUDE_OPS = {"mm", "bmm", "addmm", "matmul", "baddbmm", "addbmm", "addmv", 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """``2**-p`` for a floating dtype with ``p`` significand bits (bf16: 2**-8)."""
-    return torch.finfo(dtype).eps / 2
+    from ..comparators.ulp import float_format
+    return float_format(dtype).unit_roundoff
 
 
 def parity_bound(dtype: torch.dtype) -> float:
-    """The final relative L2 error at or under which the run is at parity."""
-    return PARITY_FACTOR * unit_roundoff(dtype)
+    """The final relative L2 error at or under which the run is at parity (the comparators'
+    end-to-end bound)."""
+    from ..comparators import end_to_end_bound
+    return end_to_end_bound(dtype)
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
