@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from ..targets import dtype_name  # noqa: F401  (re-exported for hook modules)
+from ..store.schema import tensor_key
 from .stats import StatsBatch
 
 __all__ = ["Sink", "MemorySink", "Recorder", "PendingEvent", "make_key", "MODES"]
@@ -21,9 +21,9 @@ MODES = ("stats", "tensors", "replay")
 
 
 def make_key(scope: str, name: str, call: int, direction: str, slot: str, step: Optional[int] = None) -> str:
-    """``{scope}/{name}#{call}:{direction}:{slot}``, prefixed ``step{N}/`` for multi-step dumps."""
-    prefix = f"step{step}/" if step is not None else ""
-    return f"{prefix}{scope}/{name}#{call}:{direction}:{slot}"
+    """``{scope}/{name}#{call}:{direction}:{slot}``, prefixed ``step{N}/`` when ``step`` is given
+    (the store's :func:`~precisiondiff.store.schema.tensor_key`)."""
+    return tensor_key(scope, name, call, direction, slot, step=step, multi_step=step is not None)
 
 
 class Sink(Protocol):
