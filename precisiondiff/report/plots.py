@@ -84,6 +84,13 @@ def layer_growth_plot(curves: Dict[str, List[Dict[str, Any]]]) -> str:
         pts = [(i, y) for i, y in enumerate(ys) if y is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=_COLORS[direction])
+        else:
+            ax.set_title(f"{direction} (execution order)", fontsize=9)
+            ax.text(0.5, 0.5, f"no {direction} layer outputs recorded", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=9, color="gray")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
         step = max(1, len(series) // 24)
         ax.set_xticks(range(0, len(series), step))
         ax.set_xticklabels([g["scope"] for g in series][::step], rotation=45, ha="right", fontsize=7)
