@@ -44,14 +44,17 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         inputs = tgt.prepare_inputs(workload.inputs)
         meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
                 "backward": workload.loss is not None, "repeat": run}
-        with capture(path, model=model, level=level, mode=mode, format=format,
-                     steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
-                     **filters) as cap:
-            for _ in range(n_steps):
-                result = run_workload(workload, tgt, model=model, inputs=inputs)
-                tgt.synchronize()
-                cap.step()
-                model.zero_grad(set_to_none=True)
+        try:
+            with capture(path, model=model, level=level, mode=mode, format=format,
+                         steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
+                         **filters) as cap:
+                for _ in range(n_steps):
+                    result = run_workload(workload, tgt, model=model, inputs=inputs)
+                    tgt.synchronize()
+                    cap.step()
+                    model.zero_grad(set_to_none=True)
+        except WorkloadError as err:
+            raise WorkloadError(f"{err}; what was recorded before is kept in {path} (partial)") from err
         written = cap.recorder.events_written
         loss = f", loss {result.loss.item():.6g}" if result.loss is not None else ""
         lines.append(f"captured {written} events of {spec} on {tgt} ({level}/{mode}{loss}) into {path}")

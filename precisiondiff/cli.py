@@ -60,10 +60,18 @@ def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, 
     filters = dict(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
                    ranks=ranks, views=views)
     if script:
+        if target:
+            raise PrecisionDiffError("--target has no effect with --script: the script places its model "
+                                     "itself; capture a WORKLOAD to choose the target")
+        if repeat != 1:
+            raise PrecisionDiffError("--repeat works with a WORKLOAD, not with --script")
         summary = capture_script(script, list(argv), out, level=level, mode=mode, format=format,
                                  steps=steps, seed=seed, overwrite=overwrite, **filters)
     else:
-        if len(argv) != 1 or argv[0].startswith("-"):
+        unknown = [a for a in argv if a.startswith("-")]
+        if unknown:
+            raise PrecisionDiffError(f"unknown option {unknown[0]} (see 'precisiondiff capture --help')")
+        if len(argv) != 1:
             raise PrecisionDiffError("capture needs one WORKLOAD (path/to/file.py:fn or package.module:fn) "
                                      "or --script FILE -- ARGS")
         if repeat < 1:
@@ -91,32 +99,59 @@ def ls_command(dump, kind, direction, scope, name, step, limit) -> None:
 
 @cli.command()
 @click.argument("dump", type=click.Path())
-def verify(dump) -> None:
+@click.option("--all", "show_all", is_flag=True, help="list every problem (default: the first 20)")
+def verify(dump, show_all) -> None:
     """Check every shard and index entry of a dump; exit 1 when it is damaged."""
+    from pathlib import Path
+
+    from .errors import DumpError
     from .store import verify as verify_dump
+    path = Path(dump)
+    if not path.is_dir():
+        raise DumpError(f"no dump at {dump}: {'not a directory' if path.exists() else 'the directory does not exist'}; "
+                        "check the path")
+    if not (path / "meta.json").exists() and not any(p.name.startswith("rank") for p in path.iterdir()):
+        raise DumpError(f"{dump} is not a dump (no meta.json and no rank*/ directories)")
     report = verify_dump(dump)
-    for line in report.problems:
-        click.echo(f"DAMAGED: {line}")
+    shown = report.problems if show_all else report.problems[:20]
+    state = "ok" if report.ok else f"DAMAGED: {len(report.problems)} problem(s)"
+    counts = ", ".join(f"{k}={v}" for k, v in report.summary.items())
+    click.echo(f"{dump}: {state}{', partial (the run did not finish)' if report.partial else ''} ({counts})")
+    for line in shown:
+        click.echo(f"  problem: {line}")
+    if len(shown) < len(report.problems):
+        click.echo(f"  ... {len(report.problems) - len(shown)} more (--all lists them)")
     for line in report.notes:
-        click.echo(f"note: {line}")
-    click.echo(str(report))
+        click.echo(f"  note: {line}")
     if not report.ok:
         sys.exit(1)
 
 
+from .cli_bisect import bisect as _bisect  # noqa: E402
 from .cli_compare import compare as _compare, report as _report, scan as _scan  # noqa: E402
 
-cli.add_command(_compare, "compare")
-cli.add_command(_report, "report")
-cli.add_command(_scan, "scan")
-
-
-from .cli_bisect import bisect as _bisect; cli.add_command(_bisect)  # noqa: E402,E702
+for _command in (_compare, _report, _scan, _bisect):
+    cli.add_command(_command)
 
 
 def main(argv: Optional[list] = None) -> None:
-    """Console-script entry point."""
-    cli.main(args=argv, prog_name="precisiondiff")
+    """Console-script entry point: usage errors are one line and exit code 2, like bad input."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:
+        click.echo(cli.get_help(click.Context(cli, info_name="precisiondiff")))
+        sys.exit(2)
+    try:
+        code = cli.main(args=args, prog_name="precisiondiff", standalone_mode=False)
+    except click.UsageError as err:
+        command = err.ctx.command_path if err.ctx is not None else "precisiondiff"
+        click.echo(f"error: {err.format_message()} (see '{command} --help')", err=True)
+        sys.exit(2)
+    except click.Abort:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

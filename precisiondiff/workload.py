@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .errors import WorkloadError
+from .errors import PrecisionDiffError, WorkloadError
 from .targets import Target
 
 __all__ = ["Workload", "load_workload", "seed_everything", "call_model", "RunResult", "run_workload"]
@@ -166,10 +166,28 @@ def run_workload(workload: Workload, target: Target, *, model: Optional[torch.nn
     if inputs is None:
         inputs = target.prepare_inputs(workload.inputs)
     loss = None
-    with target.context():
-        output = call_model(model, inputs)
-        if workload.loss is not None and backward:
-            loss = workload.loss(output)
-    if loss is not None:
-        loss.backward()
+    stage = "forward"
+    try:
+        with target.context():
+            output = call_model(model, inputs)
+            if workload.loss is not None and backward:
+                stage = "loss"
+                loss = workload.loss(output)
+        if loss is not None:
+            stage = "backward"
+            loss.backward()
+    except PrecisionDiffError:
+        raise
+    except Exception as err:  # the user's model or loss (or a dtype it cannot run in) failed
+        where = _user_frame(err)
+        raise WorkloadError(f"{workload.name}: the {stage} on {target} raised {type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''}{where}") from err
     return RunResult(model, inputs, output, loss)
+
+
+def _user_frame(err: BaseException) -> str:
+    """`` (file.py:line)`` of the innermost frame outside torch and precisiondiff, if any."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "/torch/" not in f.filename and "/precisiondiff/" not in f.filename]
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
