@@ -1,10 +1,12 @@
 """Capture a workload or a script on a target: what ``precisiondiff capture`` runs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
+import shutil
 import sys
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from .errors import PrecisionDiffError, WorkloadError
 from .hooks import capture
@@ -13,6 +15,30 @@ from .targets import Target, default_dut
 from .workload import load_workload, run_workload
 
 __all__ = ["capture_workload", "capture_script"]
+
+
+@contextlib.contextmanager
+def _replacing(out: "str | os.PathLike", overwrite: bool) -> Iterator[str]:
+    """Where to write a capture. Replacing an existing dump (``--overwrite``) writes a new one
+    beside it and swaps it in only when the capture succeeds: a failed or killed capture never
+    destroys the previous dump (the failed one is kept as ``OUT.failed``)."""
+    out = os.fspath(out)
+    if not (overwrite and os.path.isdir(out)):
+        yield out
+        return
+    fresh, failed = f"{out}.new", f"{out}.failed"
+    shutil.rmtree(fresh, ignore_errors=True)
+    try:
+        yield fresh
+    except BaseException as err:
+        if os.path.isdir(fresh):
+            shutil.rmtree(failed, ignore_errors=True)
+            os.replace(fresh, failed)
+        if isinstance(err, PrecisionDiffError):
+            raise type(err)(f"{err} [the previous dump in {out} is untouched; this capture is in {failed}]") from err
+        raise
+    shutil.rmtree(out)
+    os.replace(fresh, out)
 
 
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
@@ -44,17 +70,20 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         inputs = tgt.prepare_inputs(workload.inputs)
         meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
                 "backward": workload.loss is not None, "repeat": run}
-        try:
-            with capture(path, model=model, level=level, mode=mode, format=format,
-                         steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
-                         **filters) as cap:
-                for _ in range(n_steps):
-                    result = run_workload(workload, tgt, model=model, inputs=inputs)
-                    tgt.synchronize()
-                    cap.step()
-                    model.zero_grad(set_to_none=True)
-        except WorkloadError as err:
-            raise WorkloadError(f"{err}; what was recorded before is kept in {path} (partial)") from err
+        with _replacing(path, overwrite) as target_dir:
+            try:
+                with capture(target_dir, model=model, level=level, mode=mode, format=format,
+                             steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
+                             **filters) as cap:
+                    for _ in range(n_steps):
+                        result = run_workload(workload, tgt, model=model, inputs=inputs)
+                        tgt.synchronize()
+                        cap.step()
+                        model.zero_grad(set_to_none=True)
+            except WorkloadError as err:
+                if overwrite and target_dir != os.fspath(path):
+                    raise
+                raise WorkloadError(f"{err}; what was recorded before is kept in {path} (partial)") from err
         written = cap.recorder.events_written
         loss = f", loss {result.loss.item():.6g}" if result.loss is not None else ""
         lines.append(f"captured {written} events of {spec} on {tgt} ({level}/{mode}{loss}) into {path}")
@@ -78,8 +107,9 @@ def capture_script(script: str, args: List[str], out: "str | os.PathLike", *, le
     sys.argv = [script, *args]
     code = 0
     try:
-        with capture(out, model=None, level=level, mode=mode, format=format, steps=steps, meta=meta,
-                     overwrite=overwrite, **filters) as cap:
+        with _replacing(out, overwrite) as target_dir, \
+                capture(target_dir, model=None, level=level, mode=mode, format=format, steps=steps,
+                        meta=meta, overwrite=overwrite, **filters) as cap:
             try:
                 runpy.run_path(script, run_name="__main__")
             except SystemExit as exc:

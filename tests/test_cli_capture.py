@@ -165,3 +165,19 @@ def test_a_script_that_raises_keeps_what_it_recorded(tmp_path):
     assert dump.complete is False
     assert len([e for e in dump.events() if e.name == "Linear"]) == 3
     assert dump.meta["argv"][0].endswith(("cli.py", "precisiondiff")) and "--script" in dump.meta["argv"]
+
+
+def test_a_failed_overwrite_keeps_the_previous_dump(tmp_path, example_spec):
+    bad = tmp_path / "wl.py"
+    bad.write_text("import torch, precisiondiff\nfrom torch import nn\n"
+                   "class M(nn.Module):\n    def forward(self, x):\n        raise ValueError('boom')\n"
+                   "def build():\n    return precisiondiff.Workload(M(), torch.randn(2))\n")
+    out = tmp_path / "d"
+    assert pd_cli("capture", example_spec, "-o", str(out), "--level", "module").returncode == 0
+    r = pd_cli("capture", f"{bad}:build", "-o", str(out), "--overwrite")
+    assert r.returncode == 2 and "untouched" in r.stderr and "boom" in r.stderr
+    dump = store.load(out)
+    assert dump.complete and dump.meta["workload"] == example_spec
+    assert (tmp_path / "d.failed" / "meta.json").is_file()
+    ok = pd_cli("capture", example_spec, "-o", str(out), "--level", "op", "--overwrite")
+    assert ok.returncode == 0 and store.load(out).meta["level"] == "op" and not (tmp_path / "d.new").exists()
