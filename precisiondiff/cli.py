@@ -89,7 +89,7 @@ def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, 
 @click.option("--scope", default=None, help="regex on the module path")
 @click.option("--name", default=None, help="regex on the op or module class name")
 @click.option("--step", type=int, default=None)
-@click.option("--limit", type=int, default=None, help="show at most N events")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="show at most N events")
 def ls_command(dump, kind, direction, scope, name, step, limit) -> None:
     """List a dump's events and tensors with their statistics and sizes."""
     from .report.listing import render_listing

@@ -52,6 +52,11 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
     from .bisect.render import summary_lines
     from .errors import PrecisionDiffError, BisectError
     offline = os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json"))
+    if not offline and ":" not in source:
+        what = ("a directory without meta.json" if os.path.isdir(source) else
+                "a file" if os.path.exists(source) else "no such path")
+        raise BisectError(f"{source} is neither a dump ({what}) nor a workload (path/to/file.py:fn or "
+                          "package.module:fn)")
     if not offline and ref_dump is not None:
         raise BisectError(f"{source} is not a dump directory, so REF_DUMP makes no sense; "
                           "pass a WORKLOAD or DUT_DUMP [REF_DUMP]")
@@ -65,11 +70,13 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress)
     text = result.dumps() if fmt == "json" else "\n".join(summary_lines(result))
-    if out:
+    if out:  # like compare -o: the file only, and a line on stderr saying where it went
         try:
             with open(out, "w", encoding="utf-8") as fh:
                 fh.write(text + "\n")
         except OSError as err:
             raise PrecisionDiffError(f"cannot write {out}: {err.strerror or err}; choose a writable path") from err
-    click.echo(text)
+        click.echo(f"wrote {out} (verdict {result.verdict})", err=True)
+    else:
+        click.echo(text)
     sys.exit(result.exit_code)

@@ -135,7 +135,7 @@ def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, 
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="the HTML file")
-@click.option("--worst", type=int, default=6, show_default=True, help="ULP histograms of the N worst tensors")
+@click.option("--worst", type=click.IntRange(min=0), default=6, show_default=True, help="ULP histograms of the N worst tensors")
 @_filters
 @click.pass_context
 def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, noise, rel_l2, progress) -> None:

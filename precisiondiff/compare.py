@@ -360,6 +360,9 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
             per_rank[rank] = _summarize(rank_rows)
             per_rank[rank]["first_divergence"] = _first_divergence(rank_rows)
     summary = _summarize(rows)
+    if not rows and (scope or op or direction or kind):
+        raise PrecisionDiffError("the filters (--scope/--op/--direction/--kind) matched no event of "
+                                 "either dump; `precisiondiff ls A` shows the scopes and names")
     comparison = Comparison(a=str(a), b=str(b), rows=rows, summary=summary,
                             first_divergence=_first_divergence(rows), meta_a=dict(dump_a.meta),
                             meta_b=dict(dump_b.meta), ranks=per_rank, notes=notes,

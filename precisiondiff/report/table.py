@@ -39,15 +39,18 @@ def summary_lines(c: Comparison) -> List[str]:
                      + (f" (rank {fd['rank']})" if c.ranks else "")
                      + (f": {fd['message']}" if fd.get("message") else ""))
     else:
-        lines.append("no divergence: every compared tensor is within its budget")
+        lines.append("no divergence: every compared tensor is within the end-to-end budget of the run's "
+                     "precision (a kernel that loses a few bits can hide inside it: precisiondiff "
+                     "bisect judges each kernel's own arithmetic)")
     for direction in ("forward", "backward"):
         layers = layer_growth(c, direction)
         if len(layers) >= 2:
             worst = max(layers[1:], key=lambda g: g["growth"] or 0.0)
             curve = " -> ".join(f"{g['scope']} {format_number(g['error'])}" for g in layers[:8])
             more = " ..." if len(layers) > 8 else ""
-            lines.append(f"{direction} error by layer: {curve}{more}; largest growth x"
-                         f"{format_number(worst['growth'])} at {worst['scope']}")
+            growth = (f"; largest growth x{format_number(worst['growth'])} at {worst['scope']}"
+                      if worst["growth"] else "")
+            lines.append(f"{direction} error by layer: {curve}{more}{growth}")
     for rank, rs in sorted(c.ranks.items()):
         fd = rs.get("first_divergence")
         lines.append(f"rank {rank}: {rs['tensors']} tensors, {rs['failed']} failed"
