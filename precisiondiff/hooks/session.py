@@ -151,7 +151,12 @@ class CaptureSession:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "CaptureSession":
-        multi_step = None if self.filter.steps is None else len(self.filter.steps) > 1
+        # A script runs a training loop: every key carries its step. The Python API's first step
+        # stays plain until .step() is called (docs/capture.md); an explicit selection decides.
+        if self.filter.steps is not None:
+            multi_step: Optional[bool] = len(self.filter.steps) > 1
+        else:
+            multi_step = True if self._model is None else None
         if self._sink is None:
             from .sinks import DumpSink
             meta = {"level": self.level, "mode": self.mode, "rank": self.rank,
@@ -240,6 +245,11 @@ class CaptureSession:
             if self.level != "op" or not self._tag_nodes:  # module backward events, or scopes
                 self._handles.append(module.register_full_backward_pre_hook(self._bwd_pre))
                 self._handles.append(module.register_full_backward_hook(self._bwd_post))
+        # optimizer.step(): parameter gradients are taken before it (zero_grad may follow before
+        # cap.step()), and its updates are not the model's numerics
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._resume))
 
     def _hook_globally(self) -> None:
         from torch.nn.modules import module as nn_module
@@ -264,6 +274,9 @@ class CaptureSession:
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._emit_param_grads()
         self.paused = True  # the update itself is not part of the model's numerics
+
+    def _resume(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.paused = False
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.paused = False

@@ -163,6 +163,12 @@ def test_steps_and_training_loop_api(tmp_path):
     assert set(steps) == {1, 2}
     keys = [t.key for e in dump.events() for t in e.tensors]
     assert all(k.startswith(("step1/", "step2/")) for k in keys)
+    # parameter gradients are taken before opt.step(), although zero_grad() runs before cap.step()
+    grads = [e for e in dump.events() if e.kind == "param"]
+    assert {e.step for e in grads} == {1, 2} and len(grads) == 4
+    # the optimizer's updates are not recorded as model ops
+    assert not any(e.kind == "op" and e.name.startswith(("aten.add_", "aten._foreach")) and e.scope == ""
+                   for e in dump.events())
 
 
 def test_inplace_op_output_is_recorded_after_mutation():
