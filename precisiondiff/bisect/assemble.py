@@ -73,9 +73,19 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
                    "direction": out.units[u].direction, "local": d["local"]} for u, d in mods[:5]]
     unresolved = [out.units[u] for u in finding.unresolved]
     if unresolved:
-        notes.append("not replayable and not inside a replayable module: "
-                     + ", ".join(f"{e.scope or '<root>'}/{e.name}" for e in unresolved)
-                     + " (register a reference with precisiondiff.register_reference)")
+        held = sorted({(e.scope or "<root>", e.name, e.direction) for e in out.units.values()
+                       if e.kind == "op" and e.name in set(out.unreplayable_ops)})
+        unresolved_names = sorted({f"{e.scope or '<root>'}/{e.name}" for e in unresolved})
+        ops = ", ".join(f"{n} in {sc} ({d})" for sc, n, d in held[:4]) + (" ..." if len(held) > 4 else "")
+        notes.append(f"not judged: ops that could not be replayed ({ops or 'none'}) inside modules that "
+                     f"could not be replayed either ({', '.join(unresolved_names)}); pass --workload "
+                     "(it imports the ops' library and replays their modules) or register a reference "
+                     "with precisiondiff.register_reference")
+        first_unjudged = min((e.seq for e in out.units.values() if e.kind == "op"
+                              and e.name in set(out.unreplayable_ops)), default=None)
+        if culprit is not None and first_unjudged is not None and first_unjudged < out.units[finding.culprit].seq:
+            notes.insert(0, "WARNING: ops that could not be judged ran before this culprit: it may not "
+                         "be the first faulty unit (see the note on ops not judged)")
     if final is None:
         notes.append("final output not compared (no reference output available)")
     return BisectResult(verdict=verdict, dut=str(dut), ref=str(ref), culprit=culprit, path=path,

@@ -7,6 +7,8 @@ live bisect (:func:`precisiondiff.bisect.engine.run_search`).
 """
 from __future__ import annotations
 
+import os
+
 import logging
 import time
 from pathlib import Path
@@ -59,6 +61,19 @@ def _open(path: Any, what: str) -> Any:
         raise BisectError(f"{what} {path} holds ranks {sorted(dump.ranks)}: pass one rank's "
                           f"directory, e.g. {Path(path) / 'rank0'}")
     return dump
+
+
+def _check_same_model(meta_a: Dict[str, Any], meta_b: Dict[str, Any], events_a: list, events_b: list,
+                      a: Any, b: Any) -> None:
+    """Refuse a reference dump of another workload or model (it would be silently misaligned)."""
+    wa, wb = meta_a.get("workload"), meta_b.get("workload")
+    if wa and wb and os.path.basename(str(wa)) != os.path.basename(str(wb)):
+        raise BisectError(f"{a} is a capture of {wa} but {b} of {wb}: pass a REF_DUMP of the same workload")
+    mods_a = {(e.scope, e.name) for e in events_a if e.kind == "module"}
+    mods_b = {(e.scope, e.name) for e in events_b if e.kind == "module"}
+    if mods_a and mods_b and len(mods_a & mods_b) < len(mods_a) / 2:
+        raise BisectError(f"{a} and {b} hold different models (only {len(mods_a & mods_b)} of "
+                          f"{len(mods_a)} modules in common): pass a REF_DUMP of the same workload")
 
 
 def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *, ref: "str | Target" = "cpu/float64",
@@ -122,6 +137,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if ref_dump is not None:
         rd = _open(ref_dump, "REF_DUMP")
         ref_events = events_from_dump(rd)
+        _check_same_model(meta, rd.meta, events, ref_events, dut_dump, ref_dump)
         ref_output, ref_grads = finals_of(ref_events)
         keys = set(rd.keys())
         ref_tensor = lambda key: rd.tensor(key) if key in keys and rd.record(key).has_data else None

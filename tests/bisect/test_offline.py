@@ -51,3 +51,11 @@ def test_cli_rejects_a_ref_dump_for_a_workload():
     res = CliRunner().invoke(cli, ["bisect", BUGGY, "runs/ref"])
     assert res.exit_code == 2
     assert "REF_DUMP makes no sense" in res.output
+
+
+def test_a_ref_dump_of_another_model_is_refused(dut_dump, tmp_path):
+    from precisiondiff.errors import BisectError
+    other = tmp_path / "other"
+    capture_workload("tests/compare/planted.py:build_drift", other, target="cpu/float64", mode="tensors")
+    with pytest.raises(BisectError, match="same workload"):
+        bisect_dump(dut_dump, other)
