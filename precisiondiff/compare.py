@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from .align import Alignment, EventRef, align_events
 from .compare_stats import compare_stats, judge_stats, run_dtype, stats_error
-from .errors import AlignmentError, PrecisionDiffError
+from .errors import AlignmentError, DumpError, PrecisionDiffError
 
 __all__ = ["Row", "Comparison", "compare", "NOISE_FACTOR", "DEFAULT_SLOTS", "UNINITIALIZED"]
 
@@ -398,6 +398,10 @@ def _compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge
                   device: Optional[str], progress: Optional[Progress], notes: List[str]
                   ) -> Iterator[Row]:
     ev_a, ev_b = list(da.events()), list(db.events())
+    for side, d in (("A", da), ("B", db)):
+        if d.damaged_lines:
+            raise DumpError(f"{side} ({d.path}): index.jsonl line {d.damaged_lines[0]} is corrupted "
+                            f"({len(d.damaged_lines)} damaged line(s)); run `precisiondiff verify {d.path}`")
     la, lb = da.meta.get("level"), db.meta.get("level")
     if la != lb and "all" in (la, lb):  # compare only the kinds both levels record
         other = lb if la == "all" else la

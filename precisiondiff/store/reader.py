@@ -95,6 +95,9 @@ def iter_index(path: Union[str, Path], *, strict: bool = True
             yield number, obj, None
 
 
+_WARNED: set = set()
+
+
 class Dump:
     """A dump on disk, read lazily. Build it with :func:`load`.
 
@@ -107,6 +110,7 @@ class Dump:
 
     def __init__(self, path: Union[str, Path], meta: Dict[str, Any], *,
                  ranks: Optional[Dict[int, "Dump"]] = None) -> None:
+        self.damaged_lines: List[int] = []  # index lines events() had to skip
         self.path = Path(path)
         self.meta = meta
         self._multi = ranks is not None
@@ -164,12 +168,21 @@ class Dump:
                     tensors = [dataclasses.replace(t, key=f"rank{rank}/{t.key}") for t in ev.tensors]
                     yield dataclasses.replace(ev, tensors=tensors)
             return
-        for number, obj, _ in iter_index(self.path):
+        # A damaged line loses that one event, not the dump: it is skipped with a warning (once
+        # per line per process) and `precisiondiff verify` reports it as damage.
+        for number, obj, error in iter_index(self.path, strict=False):
             try:
+                if obj is None:
+                    raise ValueError(error)
                 ev = Event.from_json(obj)
             except ValueError as err:
-                raise DumpError(f"{self.path / INDEX} line {number}: {err}; run "
-                                f"`precisiondiff verify {self.path}`") from err
+                if number not in self.damaged_lines:
+                    self.damaged_lines.append(number)
+                if (str(self.path), number) not in _WARNED:
+                    _WARNED.add((str(self.path), number))
+                    log.warning("%s line %d is damaged (%s): that event is skipped; run "
+                                "`precisiondiff verify %s`", self.path / INDEX, number, err, self.path)
+                continue
             if ((kind is None or ev.kind == kind) and (direction is None or ev.direction == direction)
                     and (step is None or ev.step == step)):
                 yield ev

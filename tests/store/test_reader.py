@@ -112,13 +112,18 @@ def test_truncated_last_index_line_is_ignored(tmp_path, caplog):
     assert "truncated last line" in caplog.text
 
 
-def test_garbled_middle_line_raises(tmp_path):
+def test_garbled_middle_line_loses_that_event_only(tmp_path, caplog):
     path = _write(tmp_path / "d")
+    before = [e.seq for e in load(path).events()]
     lines = (path / INDEX).read_bytes().splitlines(keepends=True)
     lines[1] = b"{garbage\n"
     (path / INDEX).write_bytes(b"".join(lines))
-    with pytest.raises(DumpError, match="line 2 is corrupted"):
-        list(load(path).events())
+    with caplog.at_level("WARNING"):
+        after = [e.seq for e in load(path).events()]
+    assert after == before[:1] + before[2:]
+    assert "line 2 is damaged" in caplog.text and "verify" in caplog.text
+    from precisiondiff.store import verify
+    assert not verify(path).ok
 
 
 def test_missing_shard_raises_dump_error(tmp_path):
