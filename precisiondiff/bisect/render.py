@@ -37,7 +37,7 @@ def summary_lines(r: BisectResult) -> List[str]:
             lines.append(f"  upstream: {ev.get('upstream_passed', 0)} of {upstream} units before it "
                          "passed in isolation")
         else:
-            lines.append("  upstream: it is the first unit that computes anything")
+            lines.append("  upstream: no unit that computes anything runs before it")
         known = [i for i in ev.get("inputs", []) if isinstance(i.get("rel_l2"), (int, float))]
         if known:
             fine = {True: "fine", False: "ALREADY OFF", None: "?"}[ev.get("inputs_fine")]
