@@ -487,7 +487,6 @@ def compare_tensors(
         length = 1 << max(n - 1, 0).bit_length()  # one partial block: pad to a power of two
     else:
         length = min(tile, -(-n // _BLOCK) * _BLOCK)
-    n_tiles = -(-n // tile)
     n_blocks = -(-n // _BLOCK) if n >= _BLOCK else 1
     f64 = torch.float64
     w = torch.empty(_ROWS, length, dtype=f64, device=dev)

@@ -7,7 +7,7 @@ lives in ``_DEFAULTS`` below; docs/comparators.md explains each number.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
