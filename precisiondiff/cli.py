@@ -134,12 +134,33 @@ for _command in (_compare, _report, _scan, _bisect):
     cli.add_command(_command)
 
 
+_VALUED = {"-o", "--out", "-t", "--target", "--level", "--mode", "--format", "--seed", "--scope",
+           "--scope-exclude", "--op", "--op-exclude", "--steps", "--ranks", "--script", "--repeat"}
+
+
+def _refuse_workload_with_script(args: list) -> None:
+    """``capture WORKLOAD --script FILE`` would hand WORKLOAD to the script as an argument."""
+    before = args[: args.index("--")] if "--" in args else args
+    expect_value = False
+    for token in before:
+        if expect_value:
+            expect_value = False
+        elif token in _VALUED:
+            expect_value = True
+        elif not token.startswith("-"):
+            click.echo(f"error: give a WORKLOAD or --script FILE, not both ({token!r}); the script's own "
+                       "arguments go after --", err=True)
+            sys.exit(2)
+
+
 def main(argv: Optional[list] = None) -> None:
     """Console-script entry point: usage errors are one line and exit code 2, like bad input."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args:
         click.echo(cli.get_help(click.Context(cli, info_name="precisiondiff")))
         sys.exit(2)
+    if args[0] == "capture" and "--script" in args:
+        _refuse_workload_with_script(args[1:])
     try:
         code = cli.main(args=args, prog_name="precisiondiff", standalone_mode=False)
     except click.UsageError as err:

@@ -181,3 +181,12 @@ def test_a_failed_overwrite_keeps_the_previous_dump(tmp_path, example_spec):
     assert (tmp_path / "d.failed" / "meta.json").is_file()
     ok = pd_cli("capture", example_spec, "-o", str(out), "--level", "op", "--overwrite")
     assert ok.returncode == 0 and store.load(out).meta["level"] == "op" and not (tmp_path / "d.new").exists()
+
+
+def test_workload_and_script_together_are_refused(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    r = pd_cli("capture", "x.py:build", "--script", str(script), "-o", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not both" in r.stderr and not (tmp_path / "o").exists()
+    ok = pd_cli("capture", "--script", str(script), "-o", str(tmp_path / "p"), "--", "x.py:build")
+    assert ok.returncode == 0 and "ran" in ok.stdout
