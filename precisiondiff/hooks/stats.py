@@ -78,7 +78,8 @@ def _segmented(flats: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     # fingerprints (the formula of precisiondiff.store.fingerprint; every tensor here has at
     # most PERIOD elements, so its period index j is 0): y = (b + 1) * S[r]
     bits = bits_of(buf)
-    salt = torch.cat([salts(device)[: f.numel()] for f in flats])
+    table = salts(device)
+    salt = torch.cat([table[: f.numel()] for f in flats])
     y = (bits + 1) * salt
     ends = torch.cumsum(lengths, 0)
     # Segment sums of int64 as differences of a wrapping prefix sum: exact modulo 2**64.

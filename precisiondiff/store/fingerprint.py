@@ -53,6 +53,9 @@ def _splitmix64(x: int) -> int:
 
 def salts(device: "torch.device | str" = "cpu") -> torch.Tensor:
     """The ``PERIOD`` odd int64 salts ``S[r] = splitmix64(r) | 1`` on ``device`` (cached)."""
+    table = _SALTS.get(device)  # type: ignore[call-overload]
+    if table is not None:
+        return table
     device = torch.device(device)
     table = _SALTS.get(device)
     if table is None:
