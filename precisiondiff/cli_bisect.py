@@ -46,7 +46,10 @@ def _progress():
 @click.option("--workload", default=None, help="offline: the workload that rebuilds the modules")
 @click.option("--budget", "budgets", multiple=True, metavar="[KEY:]FIELD=VALUE",
               help="op budget override (repeatable), e.g. --budget aten.mm:max_ulp=4")
-def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets) -> None:
+@click.option("--noise", is_flag=True, default=False,
+              help="live: run the DUT twice; a nondeterministic op within 2x its run-to-run difference "
+                   "is not a culprit")
+def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets, noise) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, or DUT_DUMP [REF_DUMP])."""
     from .bisect import bisect as run_live, bisect_dump
     from .bisect.render import summary_lines
@@ -62,13 +65,16 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
                           "pass a WORKLOAD or DUT_DUMP [REF_DUMP]")
     if offline and target is not None:
         raise BisectError("--target applies to live bisect; a dump says its own target")
+    if offline and noise:
+        raise BisectError("--noise applies to live bisect (it reruns the workload); for dumps, capture the DUT "
+                          "twice and use precisiondiff compare --noise")
     with _progress() as progress:
         if offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                  budgets=list(budgets), progress=progress)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
-                              budgets=list(budgets), progress=progress)
+                              budgets=list(budgets), progress=progress, noise=noise)
     text = result.dumps() if fmt == "json" else "\n".join(summary_lines(result))
     if out:  # like compare -o: the file only, and a line on stderr saying where it went
         try:

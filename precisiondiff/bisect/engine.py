@@ -46,6 +46,10 @@ class EngineInput:
         param_grad: full parameter name -> the DUT's accumulated gradient loader.
         direction: restrict to "forward" or "backward".
         progress: called as ``progress(done, total, label)``.
+        noise: ``(scope, name, direction, call) -> run-to-run max abs difference`` of an op call's
+            outputs between two DUT runs (live ``noise=True``); an op over its budget whose max
+            abs error against the golden is at most ``NOISE_FACTOR`` times a nonzero difference is
+            judged within noise, not over. None: no second run.
     """
 
     events: List[UnitEvent]
@@ -59,6 +63,7 @@ class EngineInput:
     max_candidates: int = 3
     progress: Optional[Callable[[int, int, str], None]] = None
     overrides: Optional[Dict[str, Dict[str, Any]]] = None
+    noise: Optional[Dict[Tuple[str, str, str, int], float]] = None
 
 
 @dataclass
@@ -192,9 +197,21 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple
     module_class = inp.module_class_of(ev.scope) if inp.module_class_of is not None else None
     oj = J.judge_op_outputs(ev.name, outputs, k=getattr(ev, "k", None), module_class=module_class,
                             overrides=inp.overrides)
-    return (Judgement(replayable=True, over=not oj.passed),
-            {"replayable": True, "passed": oj.passed, "local": oj.local, "budget": oj.budget,
-             "slot": oj.slot, "message": oj.message})
+    detail = {"replayable": True, "passed": oj.passed, "local": oj.local, "budget": oj.budget,
+              "slot": oj.slot, "message": oj.message}
+    floor = (inp.noise or {}).get((ev.scope, ev.name, ev.direction, ev.call), 0.0)
+    if floor > 0:
+        detail["noise"] = floor
+    if not oj.passed and floor > 0:
+        err = J.max_abs_error([(dut, g) for _, dut, g, _ in outputs])
+        detail["noise_error"] = err
+        if err <= J.NOISE_FACTOR * floor:
+            detail.update(passed=True, within_noise=True,
+                          message=f"within run-to-run noise: max abs error {err:.3g} <= {J.NOISE_FACTOR:g} x "
+                                  f"the DUT's run-to-run max abs difference {floor:.3g} (over budget: "
+                                  f"{oj.message.splitlines()[0] if oj.message else ''})")
+            return Judgement(replayable=True, over=False), detail
+    return Judgement(replayable=True, over=not oj.passed), detail
 
 
 def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fallback: set,

@@ -15,6 +15,10 @@
   the model output against the reference run; with a loss it is the worst of the output, the
   loss and the parameter gradients (all gradients as one vector). Parity when it is at most
   ``PARITY_FACTOR * u``.
+* **Run-to-run noise** (live ``noise=True``): an op whose outputs differ between two DUT runs is
+  nondeterministic; when it is over its budget but its max abs error against the golden is at
+  most ``NOISE_FACTOR`` times its run-to-run max abs difference (both over all its floating
+  outputs), it is judged within noise, not over (compare's ``--noise`` rule).
 """
 from __future__ import annotations
 
@@ -25,9 +29,13 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from ..comparators.tolerance import END_TO_END_FACTOR
+# An over-budget nondeterministic op is within noise when its max abs error is at most this many
+# times its run-to-run max abs difference: compare --noise's factor.
+from ..compare import NOISE_FACTOR
 
 __all__ = ["MODULE_OVER", "MODULE_FAR", "PARITY_FACTOR", "OpJudgement", "judge_op_outputs",
-           "judge_module", "judge_standin", "StandInJudgement", "rel_l2", "unit_roundoff", "magnitude_op", "parity_bound"]
+           "judge_module", "judge_standin", "StandInJudgement", "rel_l2", "unit_roundoff", "magnitude_op", "parity_bound",
+           "NOISE_FACTOR", "max_abs_error"]
 
 # Module rule factors (see the module docstring and docs/bisect.md).
 MODULE_OVER = 3.0   # beyond what correctly rounded execution of its ops explains
@@ -74,6 +82,22 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if denom == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / denom
+
+
+def max_abs_error(pairs: Sequence[tuple]) -> float:
+    """The largest ``|a - b|`` over ``[(a, b), ...]`` in float64; ``inf`` when NaN/Inf differ
+    (positions where both are NaN, or both the same Inf, count as equal)."""
+    worst = 0.0
+    for a, b in pairs:
+        x = a.detach().to(torch.float64).flatten()
+        y = b.detach().to(device=x.device, dtype=torch.float64).flatten()
+        if x.numel() == 0:
+            continue
+        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        if bool((~same & ~(torch.isfinite(x) & torch.isfinite(y))).any()):
+            return math.inf
+        worst = max(worst, float(torch.where(same, torch.zeros_like(x), (x - y).abs()).max()))
+    return worst
 
 
 def magnitude_op(name: str) -> bool:

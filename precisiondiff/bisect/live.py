@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -19,7 +19,8 @@ from .isolate import UnitEvent, replay_module_backward, replay_module_forward, r
 from .result import BisectResult
 from .substitute import ReplaceOpMode, final_errors, replace_module_output
 
-__all__ = ["bisect", "events_from_sink", "confirm", "check_options", "run_reference"]
+__all__ = ["bisect", "events_from_sink", "confirm", "check_options", "run_reference", "run_to_run_noise",
+           "noise_report"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,85 @@ def run_reference(wl: Workload, ref: Target) -> "tuple[Any, Callable[[str], Opti
     notes = ([f"the reference run computed {', '.join(sorted(mode.fallback))} in float32: no "
               f"{str(ref.dtype).removeprefix('torch.')} kernel"] if mode.fallback else [])
     return result, (lambda key: sink.tensor(records[key]) if key in records else None), notes
+
+
+NoiseKey = Tuple[str, str, str, int]
+
+
+def run_to_run_noise(wl: Workload, dut: Target, events: List[UnitEvent]) -> "tuple[Dict[NoiseKey, float], int]":
+    """Run the workload a second time on the DUT (a fresh prepared copy, same inputs), captured
+    at op level with tensors, and compare every op call of ``events`` with its match (scope,
+    name, direction, call) in the second run.
+
+    Returns ``(floors, propagated)``: ``floors`` maps each op call whose inputs were bitwise
+    equal in both runs to the max abs difference of its floating outputs (0.0: deterministic,
+    ``inf`` where NaN/Inf differ): its own run-to-run noise. ``propagated`` counts the op calls
+    whose inputs already differed (noise from upstream; isolation judges an op on the first
+    run's own inputs, so they get no floor). Calls missing from either run are left out."""
+    from .judge import max_abs_error
+    sink = MemorySink()
+    model = dut.prepare_model(wl.model)
+    model.train(wl.train)
+    with capture(model=model, level="op", mode="tensors", sink=sink):
+        run_workload(wl, dut, model=model, inputs=dut.prepare_inputs(wl.inputs))
+    dut.synchronize()
+    second = {(e.scope, e.name, e.direction, e.call): e for e in events_from_sink(sink) if e.kind == "op"}
+    floors: Dict[NoiseKey, float] = {}
+    propagated = 0
+    for ev in events:
+        if ev.kind != "op":
+            continue
+        key = (ev.scope, ev.name, ev.direction, ev.call)
+        other = second.get(key)
+        if other is None:
+            continue
+        outs, same_inputs = [], True
+        for slot, (dtype, shape, has) in ev.slots.items():
+            o = other.slots.get(slot)
+            if not has or o is None or not o[2] or o[1] != shape or o[0] != dtype:
+                continue
+            a, b = ev.load(slot), other.load(slot)
+            if slot.startswith("output.") and a.is_floating_point():
+                outs.append((a, b))
+            elif slot.startswith("input.") and same_inputs:
+                same_inputs = (max_abs_error([(a, b)]) == 0.0 if a.is_floating_point()
+                               else bool(torch.equal(a.cpu(), b.cpu())))
+        if not outs:
+            continue
+        if same_inputs:
+            floors[key] = max_abs_error(outs)
+        elif max_abs_error(outs) > 0:
+            propagated += 1
+    return floors, propagated
+
+
+def noise_report(noise: Dict[NoiseKey, float], propagated: int,
+                 out: EngineOutput) -> "tuple[Dict[str, Any], List[str]]":
+    """The ``noise`` JSON object and its note: how many op calls are nondeterministic on the
+    DUT, and which over-budget ops were judged within their run-to-run noise."""
+    nondet = sorted(k for k, v in noise.items() if v > 0)
+    within = []
+    for uid in sorted(out.details):
+        d = out.details[uid]
+        if d.get("within_noise"):
+            ev = out.units[uid]
+            within.append({"scope": ev.scope, "name": ev.name, "direction": ev.direction, "call": ev.call,
+                           "max_abs_error": d.get("noise_error"), "noise": d.get("noise"),
+                           "local": d.get("local", {}), "budget": d.get("budget", {})})
+    from .judge import NOISE_FACTOR
+    report = {"nondeterministic_ops": len(nondet), "ops_compared": len(noise) + propagated,
+              "differ_from_upstream": propagated,
+              "nondeterministic": [{"scope": s, "name": n, "direction": d, "call": c, "noise": noise[(s, n, d, c)]}
+                                   for s, n, d, c in nondet[:50]],
+              "within_noise": within, "factor": NOISE_FACTOR, "rule": "max abs error vs golden <= factor x "
+              "run-to-run max abs difference (over all floating outputs of the op call)"}
+    names = ", ".join(f"{w['scope'] or '<root>'}/{w['name']} ({w['direction']}, call {w['call']})" for w in within[:4])
+    note = (f"{len(nondet)} ops are nondeterministic on the DUT; {len(within)} judged within their run-to-run "
+            f"noise" + (f": {names}" + (" ..." if len(within) > 4 else "") if within else "")
+            + f" (over budget, but max abs error <= {NOISE_FACTOR:g}x the run-to-run max abs difference)"
+            + (f"; {propagated} more differ between runs only through their inputs (judged as usual)"
+               if propagated else ""))
+    return report, [note]
 
 
 def _grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -158,7 +238,7 @@ def substitution_notes(confirmation: Dict[str, Any], candidates: List[dict]) -> 
 def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Target | None" = None,
            ref: "str | Target" = "cpu/float64", direction: Optional[str] = None,
            budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
-           max_candidates: int = 3) -> BisectResult:
+           max_candidates: int = 3, noise: bool = False) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss),
@@ -176,6 +256,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         seed: the seed applied before the workload is built.
         progress: called as ``progress(done, total, label)`` while units are isolated.
         max_candidates: offending units to report after the culprit.
+        noise: run the DUT a second time and take each op call's run-to-run difference as its
+            noise floor: a nondeterministic op over its budget whose max abs error is within
+            ``NOISE_FACTOR`` x that difference is not a culprit (docs/bisect.md, "Run-to-run noise").
 
     Returns:
         A :class:`BisectResult`.
@@ -219,16 +302,29 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
                          ref_result.loss, _grads(ref_result.model))
 
     events = events_from_sink(sink)
+    noise_floor: Optional[Dict[NoiseKey, float]] = None
+    noise_s = 0.0
+    if noise:
+        if progress is not None:
+            progress(0, 1, "second DUT run (run-to-run noise)")
+        t2 = time.perf_counter()
+        noise_floor, noise_propagated = run_to_run_noise(wl, dut, events)
+        noise_s = time.perf_counter() - t2
     modules = {name: m for name, m in model.named_modules()}
     t1 = time.perf_counter()
     out: EngineOutput = run_search(EngineInput(
         events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
         module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction,
-        max_candidates=max_candidates, progress=progress, overrides=overrides))
+        max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor))
     search_s = time.perf_counter() - t1
 
     dut_runs, notes = 2, list(notes_ref)
+    noise_json = None
+    if noise_floor is not None:
+        noise_json, noise_notes = noise_report(noise_floor, noise_propagated, out)
+        notes += noise_notes
+        dut_runs += 1
     confirmation: Dict[str, Any] = {"final_error_before": final["final"],
                                     "final_error_after_substitution": None}
     input_check = None
@@ -260,10 +356,12 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             "units_isolated": out.finding.queries, "ops_replayed": out.replayed_ops,
             "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3),
             "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
+            **({"noise_s": round(noise_s, 3)} if noise else {}),
             "plain_forward_s": round(plain_forward_s, 6),
             "wall_over_forward": round(wall_s / plain_forward_s, 1) if plain_forward_s > 0 else None}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
                       input_check=input_check)
+    result.noise = noise_json
     if compiled_wl is not None:
         if progress is not None:
             progress(0, 1, "compiled regions vs eager")

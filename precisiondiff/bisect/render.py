@@ -60,6 +60,14 @@ def summary_lines(r: BisectResult) -> List[str]:
         bad = [g for g in regs if g.get("diverges")]
         lines.append(f"compiled regions: {len(regs)} call(s) checked against eager, "
                      + (f"{len(bad)} diverge" if bad else "none diverges"))
+    if r.noise is not None:
+        within = r.noise.get("within_noise", [])
+        lines.append(f"run-to-run noise: {r.noise.get('nondeterministic_ops', 0)} of "
+                     f"{r.noise.get('ops_compared', 0)} op calls nondeterministic on the DUT "
+                     f"({r.noise.get('differ_from_upstream', 0)} more differ through their inputs); "
+                     f"{len(within)} over budget but within {_num(r.noise.get('factor'))}x their noise"
+                     + (": " + ", ".join(f"{w['scope'] or '<root>'}/{w['name']}" for w in within[:3])
+                        + (" ..." if len(within) > 3 else "") if within else ""))
     for n in r.notes:
         lines.append(f"note: {n}")
     cost = r.cost

@@ -42,6 +42,9 @@ class BisectResult:
         notes: sentences for the reader (substitution too weak, unresolved ops...).
         compiled: for a model with ``torch.compile`` regions: ``{"regions": [...], "final_error"}``
             (docs/bisect.md, "torch.compile regions"); None otherwise (and absent from the JSON).
+        noise: with ``noise=True`` (live bisect, ``--noise``): ``{"nondeterministic_ops": N,
+            "within_noise": [...], ...}`` (docs/bisect.md, "Run-to-run noise"); None otherwise
+            (and absent from the JSON).
 
     Example:
         >>> BisectResult("parity", "cpu/bf16", "cpu/float64").to_json()["verdict"]
@@ -63,6 +66,7 @@ class BisectResult:
     parity_bound: float = 0.0
     notes: List[str] = field(default_factory=list)
     compiled: Optional[Dict[str, Any]] = None
+    noise: Optional[Dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -83,6 +87,8 @@ class BisectResult:
                "notes": self.notes}
         if self.compiled is not None:
             out["compiled"] = self.compiled
+        if self.noise is not None:
+            out["noise"] = self.noise
         return _clean(out)
 
     def dumps(self) -> str:

@@ -171,3 +171,37 @@ class VendorNorm(nn.Module):
 def vendor_workload() -> Workload:
     model = nn.Sequential(nn.Linear(64, 64), VendorNorm(64), nn.Linear(64, 16))
     return Workload(model, 3.0 + torch.randn(32, 64))
+
+
+# -- (7) a nondeterministic kernel: bf16 output with run-to-run noise (atomics-like) ----------
+_NOISE_GEN = torch.Generator()
+_NOISE_GEN.seed()  # unseeded: a fresh draw every call, whatever torch.manual_seed says
+
+
+@torch.library.custom_op("pdtest::noisy_reduce", mutates_args=())
+def noisy_reduce(x: torch.Tensor) -> torch.Tensor:
+    """``x`` unchanged up to rounding, plus (bf16 only) noise of ~2 ULP that differs every run,
+    as a reduction whose order depends on thread scheduling would give."""
+    if x.dtype == torch.bfloat16:
+        noise = torch.randn(x.shape, generator=_NOISE_GEN, dtype=torch.float32) * 2 ** -7
+        return (x.float() + noise * x.float().abs()).to(x.dtype)
+    return x.clone()
+
+
+@noisy_reduce.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class NoisyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(noisy_reduce(torch.tanh(self.fc1(x))))
+
+
+def noisy_workload() -> Workload:
+    return Workload(NoisyNet(), torch.randn(16, 32))
