@@ -157,7 +157,7 @@ def noise_report(noise: Dict[NoiseKey, float], propagated: int,
               "within_noise": within, "factor": NOISE_FACTOR, "rule": "max abs error vs golden <= factor x "
               "run-to-run max abs difference (over all floating outputs of the op call)"}
     names = ", ".join(f"{w['scope'] or '<root>'}/{w['name']} ({w['direction']}, call {w['call']})" for w in within[:4])
-    note = (f"{len(nondet)} ops are nondeterministic on the DUT; {len(within)} judged within their run-to-run "
+    note = (f"{len(nondet)} op call(s) nondeterministic on the DUT; {len(within)} judged within their run-to-run "
             f"noise" + (f": {names}" + (" ..." if len(within) > 4 else "") if within else "")
             + f" (over budget, but max abs error <= {NOISE_FACTOR:g}x the run-to-run max abs difference)"
             + (f"; {propagated} more differ between runs only through their inputs (judged as usual)"
