@@ -67,15 +67,7 @@ _DEFAULTS: Dict[str, Dict[str, Tuple[float, float, float]]] = {
         "softmax":       (1.0, 1.0, 2.0),
         "unknown":       (4.0, 4.0, 2.0),
     },
-    "float32": {
-        "elementwise":   (4.0, 4.0, 0.0),
-        "reduction":     (16.0, 1.0, 2.0),
-        "matmul":        (64.0, 1.0, 2.0),
-        "normalization": (16.0, 4.0, 2.0),
-        "softmax":       (8.0, 8.0, 2.0),
-        "unknown":       (64.0, 64.0, 2.0),
-    },
-    "float64": {
+    "float32": {  # and float64: libm-grade functions, accumulation in the format itself
         "elementwise":   (4.0, 4.0, 0.0),
         "reduction":     (16.0, 1.0, 2.0),
         "matmul":        (64.0, 1.0, 2.0),
@@ -84,6 +76,7 @@ _DEFAULTS: Dict[str, Dict[str, Tuple[float, float, float]]] = {
         "unknown":       (64.0, 64.0, 2.0),
     },
 }
+_DEFAULTS["float64"] = _DEFAULTS["float32"]  # the same ULP counts (of float64's own spacing)
 
 #: Peer ratio standard (Dynamo ``same()``): factor 3 for 16-bit and fp8, 2 otherwise;
 #: floor = Dynamo's tol / 10 with its default tol 1e-4.
