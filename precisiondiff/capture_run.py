@@ -57,7 +57,7 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
     Raises:
         PrecisionDiffError: bad workload, target or output directory; disk full.
     """
-    tgt = Target.parse(target) if target else default_dut()
+    tgt = Target.parse(target) if target is not None else default_dut()
     tgt.check_available()
     selection = parse_selection(steps if steps is not None else "0")
     n_steps = (max(selection) + 1) if selection else 1

@@ -66,7 +66,7 @@ def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, 
             raise BisectError(f"budgets must be a dict {{key: {{field: value}}}} or a list of "
                               f"'[KEY:]FIELD=VALUE' strings, not {type(budgets).__name__}")
     except (ComparatorError, TypeError, ValueError) as err:
-        raise BisectError(f"bad budget override: {err}") from err
+        raise BisectError(str(err)) from err
     return overrides
 
 

@@ -425,7 +425,7 @@ def condition_bound(
 
 
 def parse_budget_overrides(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
-    """Parse CLI overrides ``[SCOPE:]FIELD=VALUE`` into the dict :func:`budget_for` takes.
+    """Parse CLI overrides ``[KEY:]FIELD=VALUE`` into the dict :func:`budget_for` takes.
 
     SCOPE is an op name, op class or dtype name; without it the override applies to all.
 
@@ -440,7 +440,7 @@ def parse_budget_overrides(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     for item in items:
         left, eq, value = item.partition("=")
         if not eq or not value.strip() or not left.strip():
-            raise ComparatorError(f"budget override {item!r} is not [SCOPE:]FIELD=VALUE")
+            raise ComparatorError(f"budget override {item!r} is not [KEY:]FIELD=VALUE")
         scope, colon, field = left.rpartition(":")
         if not colon:
             scope = "*"
