@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from .options import REF, SEED, TARGET, click_options
+
 __all__ = ["bisect"]
 
 
@@ -37,12 +39,11 @@ def _progress():
 @click.command("bisect")
 @click.argument("source")
 @click.argument("ref_dump", required=False)
-@click.option("--target", default=None, help="device under test, e.g. cpu/bf16 (default: mlu, cuda, cpu in bf16)")
-@click.option("--ref", default="cpu/float64", show_default=True, help="reference target")
+@click_options(TARGET, REF)
 @click.option("--direction", type=click.Choice(["forward", "backward"]), default=None)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None, help="write the report here")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click_options(SEED)
 @click.option("--workload", default=None, help="offline: the workload that rebuilds the modules")
 @click.option("--budget", "budgets", multiple=True, metavar="[KEY:]FIELD=VALUE",
               help="op budget override (repeatable), e.g. --budget aten.mm:max_ulp=4")
