@@ -125,6 +125,15 @@ class OpJudgement:
     message: str = ""
 
 
+def _as_float(value: Any) -> float:
+    """A metric as a number: JSON-safe metrics spell inf/nan as strings (NaN ranks highest)."""
+    if isinstance(value, str):
+        value = float(value)
+    if value is None:
+        return 0.0
+    return math.inf if math.isnan(value) else float(value)
+
+
 def judge_op_outputs(name: str, outputs: Sequence[tuple], *, k: Optional[int] = None,
                      module_class: Optional[str] = None,
                      overrides: Optional[Dict[str, Dict[str, Any]]] = None) -> OpJudgement:
@@ -141,9 +150,9 @@ def judge_op_outputs(name: str, outputs: Sequence[tuple], *, k: Optional[int] = 
         metrics = _compat.metrics(dut, golden)
         current = OpJudgement(passed=verdict.passed, local=metrics, budget=_compat.as_dict(budget),
                               slot=slot, message=_compat.message(verdict, slot))
-        score = metrics.get("max_ulp", 0.0) or 0.0
+        score = _as_float(metrics.get("max_ulp"))
         if (worst is None or (not current.passed and worst.passed)
-                or (current.passed == worst.passed and score > (worst.local.get("max_ulp") or 0.0))):
+                or (current.passed == worst.passed and score > _as_float(worst.local.get("max_ulp")))):
             worst = current
     return worst if worst is not None else OpJudgement(passed=True)
 

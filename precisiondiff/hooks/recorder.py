@@ -202,7 +202,7 @@ class Recorder:
         record = {"key": key, "slot": slot, "dtype": str(t.dtype).removeprefix("torch."),
                   "shape": list(t.shape), "stats": None, "data_key": data_key}
         event.tensors.append((record, handle))
-        event.slots[id(t)] = slot
+        event.slots.setdefault(id(t), slot)  # an in-place op returns its input: args name the input
         if slot.startswith("output") and not event.output_seen:
             event.device, event.output_seen = str(t.device), True
         elif event.device is None:

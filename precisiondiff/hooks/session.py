@@ -46,31 +46,84 @@ def _rank_and_world() -> "tuple[int, int]":
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _tag_graph(output: Any, scope: str, boundary: list, shortcuts: Dict[int, list]) -> None:
+class _Boundary:
+    """A module call's inputs as the autograd graph sees them: the nodes that produced them
+    (where tagging stops) and, per input slot, how an edge into the module is recognized."""
+
+    __slots__ = ("nodes", "slot_of")
+
+    def __init__(self, inputs: List[torch.Tensor]) -> None:
+        self.nodes: list = []
+        self.slot_of: Dict[Any, int] = {}  # id(grad_fn) or ("leaf", id(tensor)) -> input index
+        for i, t in enumerate(inputs):
+            if not t.requires_grad:
+                continue
+            if t.grad_fn is not None:
+                self.nodes.append(t.grad_fn)
+                self.slot_of.setdefault(id(t.grad_fn), i)
+            else:
+                self.slot_of.setdefault(("leaf", id(t)), i)
+
+    def key_of_id(self, identity: Any) -> Any:
+        """``identity`` (another call's boundary key) if it is one of this call's inputs too."""
+        return identity if identity in self.slot_of else None
+
+    def key(self, node: Any) -> Any:
+        """The boundary key of ``node`` if it is one of the inputs' producers, else None."""
+        if id(node) in self.slot_of:
+            return id(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad of a leaf input
+        if variable is not None and ("leaf", id(variable)) in self.slot_of:
+            return ("leaf", id(variable))
+        return None
+
+
+def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int, tuple]) -> list:
     """Tag the autograd nodes a module call created (between its inputs and its outputs) with
-    its scope. Inner modules return first, so a node keeps the innermost scope; an inner call's
-    output node carries a shortcut to the inner call's input nodes, so each node is walked once
-    (reading ``next_functions`` is the expensive part)."""
+    its scope, and return the edges ``(node, index, boundary key)`` along which gradients leave
+    the module towards its inputs.
+
+    Inner modules return first, so a node keeps the innermost scope; an inner call's output
+    node carries a shortcut to the inner call's input nodes and edges, so each node is walked
+    once (reading ``next_functions`` is the expensive part)."""
     outputs = [t.grad_fn for t in flatten_tensors(output) if t.grad_fn is not None]
-    stop = {id(node) for node in boundary}
     stack = list(outputs)
     seen: set = set()
+    edges: list = []
     while stack:
         node = stack.pop()
         key = id(node)
-        if key in seen or key in stop:
+        if key in seen or boundary.key(node) is not None:
             continue
         seen.add(key)
         jump = shortcuts.get(key)
         if jump is not None:  # an inner module's output: continue from that module's inputs
-            stack.extend(jump)
+            inner_nodes, inner_edges = jump
+            edges.extend((n, j, boundary.key_of_id(k)) for n, j, k in inner_edges
+                         if boundary.key_of_id(k) is not None)
+            stack.extend(inner_nodes)
             continue
         metadata = node.metadata
         if _SCOPE_TAG not in metadata:
             metadata[_SCOPE_TAG] = scope
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+        for j, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            target = boundary.key(nxt)
+            if target is not None:
+                edges.append((node, j, target))
+            else:
+                stack.append(nxt)
+    # what an outer module needs to skip this call: its input nodes, and its edges with the
+    # identity of the node each one reaches (to be matched against the outer call's inputs)
+    exported = [(n, j, _target_identity(boundary, k)) for n, j, k in edges]
     for node in outputs:
-        shortcuts[id(node)] = boundary
+        shortcuts[id(node)] = (boundary.nodes, exported)
+    return edges
+
+
+def _target_identity(boundary: "_Boundary", key: Any) -> Any:
+    return key  # id(grad_fn) or ("leaf", id(tensor)): the same in every module's boundary
 
 
 class CaptureSession:
@@ -118,14 +171,15 @@ class CaptureSession:
         self._roots = 0
         self._stack: List[str] = []
         self._fwd_inputs: Dict[int, List[Any]] = {}
-        self._bwd_pending: Dict[int, List[Any]] = {}
         # keyed by id(): tensors compare element-wise, so they cannot be dict keys themselves
         self._touched: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueDictionary()
         self._param_owner: Dict[int, tuple] = {}
         self._mode: Optional[OpCaptureMode] = None
-        self._tag_nodes = _CURRENT_NODE is not None and level in ("op", "all")
-        self._boundaries: Dict[int, List[list]] = {}
-        self._shortcuts: Dict[int, list] = {}  # keyed by id(node); cleared every step
+        self._tag_nodes = True
+        self._boundaries: Dict[int, List[tuple]] = {}
+        self._shortcuts: Dict[int, tuple] = {}  # keyed by id(node); cleared every step
+        self._backward_calls: List[dict] = []  # module backward calls waiting for gradients
+        self._closed = False
         self.recorder: Optional[Recorder] = None
 
     # -- state -------------------------------------------------------------------------------
@@ -141,7 +195,7 @@ class CaptureSession:
 
     def current_scope(self, backward: bool = False) -> str:
         """The module path the running op belongs to (``backward``: from the autograd node)."""
-        if backward and self._tag_nodes:
+        if backward and _CURRENT_NODE is not None:
             node = _CURRENT_NODE()
             if node is not None:
                 scope = node.metadata.get(_SCOPE_TAG)
@@ -191,6 +245,7 @@ class CaptureSession:
         # its way out (a script that raised, a full disk), a second one from the sink must not
         # replace it: it is logged instead.
         try:
+            self._emit_pending_backward()
             self._emit_param_grads()
             self.recorder.flush()
         except PrecisionDiffError as err:
@@ -199,6 +254,7 @@ class CaptureSession:
                 raise
             log.warning("could not write the last events: %s", err)
         self._close_sink(complete=exc_type is None, propagating=exc_type is not None)
+        self._closed = True  # graph hooks still attached to live tensors fire into nothing
 
     def _close_sink(self, *, complete: bool, propagating: bool) -> None:
         try:
@@ -210,6 +266,7 @@ class CaptureSession:
 
     def step(self) -> None:
         """End a training step: emit parameter gradients, then number events from step+1."""
+        self._emit_pending_backward()
         self._emit_param_grads()
         self.paused = True  # the sink may run tensor ops: they must not be recorded
         try:
@@ -242,9 +299,6 @@ class CaptureSession:
             self._handles.append(module.register_forward_pre_hook(self._fwd_pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._fwd_post, with_kwargs=True,
                                                               always_call=True))
-            if self.level != "op" or not self._tag_nodes:  # module backward events, or scopes
-                self._handles.append(module.register_full_backward_pre_hook(self._bwd_pre))
-                self._handles.append(module.register_full_backward_hook(self._bwd_post))
         # optimizer.step(): parameter gradients are taken before it (zero_grad may follow before
         # cap.step()), and its updates are not the model's numerics
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -255,8 +309,6 @@ class CaptureSession:
         from torch.nn.modules import module as nn_module
         self._handles.append(nn_module.register_module_forward_pre_hook(self._global_fwd_pre))
         self._handles.append(nn_module.register_module_forward_hook(self._global_fwd_post, always_call=True))
-        self._handles.append(nn_module.register_module_full_backward_pre_hook(self._bwd_pre))
-        self._handles.append(nn_module.register_module_full_backward_hook(self._bwd_post))
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
@@ -272,6 +324,7 @@ class CaptureSession:
         self._fwd_post(module, args, {}, output)
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._emit_pending_backward()
         self._emit_param_grads()
         self.paused = True  # the update itself is not part of the model's numerics
 
@@ -290,9 +343,9 @@ class CaptureSession:
     def _fwd_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         scope = self._names.get(module, "")
         self._stack.append(scope)
-        if self._tag_nodes and torch.is_grad_enabled() and self.recording:
-            self._boundaries.setdefault(id(module), []).append(
-                [t.grad_fn for t in flatten_tensors((args, kwargs)) if t.grad_fn is not None])
+        if torch.is_grad_enabled() and self.recording:
+            inputs = flatten_tensors((args, kwargs))
+            self._boundaries.setdefault(id(module), []).append((_Boundary(inputs), len(inputs)))
         if not self._wants(module):
             return
         self.paused = True
@@ -322,7 +375,10 @@ class CaptureSession:
             del self._stack[len(self._stack) - 1 - self._stack[::-1].index(scope)]
         boundaries = self._boundaries.get(id(module))
         if boundaries:
-            _tag_graph(output, scope, boundaries.pop(), self._shortcuts)
+            boundary, n_inputs = boundaries.pop()
+            edges = _tag_graph(output, scope, boundary, self._shortcuts)
+            if self._wants(module):
+                self._watch_backward(module, scope, output, boundary, edges, n_inputs)
         pending = self._fwd_inputs.get(id(module))
         if not pending:
             return
@@ -336,34 +392,78 @@ class CaptureSession:
         finally:
             self.paused = False
 
-    def _bwd_pre(self, module: nn.Module, grad_output: Any) -> None:
-        scope = self._names.get(module, "")
-        self._stack.append(scope)
-        if self._wants(module):
-            self._bwd_pending.setdefault(id(module), []).append(self.recorder.begin(
-                "module", scope, type(module).__name__, "backward"))
-            self._bwd_pending[id(module)][-1].grad_output = grad_output  # type: ignore[attr-defined]
+    # -- module backward: hooks on the autograd graph, not on the module ----------------------
+    # Module backward hooks wrap a module's outputs in views, and PyTorch forbids modifying those
+    # in place (nn.ReLU(inplace=True) after a BatchNorm, `out += x` in a ResNet block). Instead
+    # grad_output comes from pre-hooks on the nodes that produced the outputs (they see the
+    # gradient of the value the module returned, even if it is modified in place afterwards), and
+    # grad_input from post-hooks on the module's nodes whose edges lead to its inputs: exactly
+    # the module's own contribution, as the module hooks gave.
+    def _watch_backward(self, module: nn.Module, scope: str, output: Any, boundary: "_Boundary",
+                        edges: list, n_inputs: int) -> None:
+        outputs = flatten_tensors(output)
+        call = {"scope": scope, "name": type(module).__name__, "outputs": {}, "inputs": {},
+                "remaining": 0, "step": self.recorder.step, "done": False}
+        for k, t in enumerate(outputs):
+            if not t.requires_grad:
+                continue
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._grad_output_hook(call, k, t.output_nr))
+            else:
+                t.register_hook(self._grad_output_hook(call, k, None))
+            call["remaining"] += 1
+        for node, j, key in edges:
+            node.register_hook(self._grad_input_hook(call, boundary.slot_of[key], j))
+            call["remaining"] += 1
+        if call["remaining"]:
+            self._backward_calls.append(call)
 
-    def _bwd_post(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-        scope = self._names.get(module, "")
-        if scope in self._stack:
-            del self._stack[len(self._stack) - 1 - self._stack[::-1].index(scope)]
-        pending = self._bwd_pending.get(id(module))
-        if not pending:
+    def _grad_output_hook(self, call: dict, k: int, output_nr: Optional[int]) -> Any:
+        def hook(grads: Any) -> None:
+            grad = grads if output_nr is None else grads[output_nr]
+            if isinstance(grad, torch.Tensor):
+                call["outputs"][k] = grad
+            self._arrived(call)
+        return hook
+
+    def _grad_input_hook(self, call: dict, i: int, j: int) -> Any:
+        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+            grad = grad_inputs[j]
+            if isinstance(grad, torch.Tensor):
+                with torch.no_grad():
+                    prev = call["inputs"].get(i)
+                    call["inputs"][i] = grad if prev is None else prev + grad
+            self._arrived(call)
+        return hook
+
+    def _arrived(self, call: dict) -> None:
+        call["remaining"] -= 1
+        if call["remaining"] == 0:
+            self._emit_backward(call)
+
+    def _emit_backward(self, call: dict) -> None:
+        """Record a module's backward call once its gradients have arrived (or at step end)."""
+        if call["done"] or self._closed or self.recorder is None or call["step"] != self.recorder.step:
             return
-        event = pending.pop()
-        self.paused = True
+        call["done"] = True
+        was_paused, self.paused = self.paused, True
         try:
+            event = self.recorder.begin("module", call["scope"], call["name"], "backward")
             with torch.no_grad():
-                for i, t in enumerate(grad_output):
-                    if isinstance(t, torch.Tensor):
-                        self.recorder.add(event, f"grad_output.{i}", t)
-                for i, t in enumerate(grad_input):
-                    if isinstance(t, torch.Tensor):
-                        self.recorder.add(event, f"grad_input.{i}", t)
+                for k, grad in sorted(call["outputs"].items()):
+                    self.recorder.add(event, f"grad_output.{k}", grad)
+                for i, grad in sorted(call["inputs"].items()):
+                    self.recorder.add(event, f"grad_input.{i}", grad)
             self.recorder.finish(event)
         finally:
-            self.paused = False
+            self.paused = was_paused
+
+    def _emit_pending_backward(self) -> None:
+        """Backward calls whose gradients did not all arrive (a branch not in the loss)."""
+        for call in self._backward_calls:
+            if not call["done"] and (call["outputs"] or call["inputs"]):
+                self._emit_backward(call)
+        self._backward_calls.clear()
 
     # -- parameter gradients -----------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:

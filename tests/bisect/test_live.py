@@ -131,3 +131,12 @@ def test_bad_budget_override_is_a_bisect_error():
     from precisiondiff.errors import BisectError
     with pytest.raises(BisectError, match="budget override .max_ulps=4.: unknown field"):
         bisect(planted.softmax_workload, target="cpu/bf16", budgets=["max_ulps=4"])
+
+
+def test_resnet_with_inplace_ops_is_not_blamed():
+    """ReLU(inplace=True) and `out += x`: in-place ops replay from their inputs, and module
+    backward capture works on them (no module backward hooks)."""
+    import os
+    spec = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workloads", "resnet.py") + ":build"
+    r = bisect(spec, target="cpu/bf16")
+    assert r.verdict in ("parity", "accumulated"), r.culprit
