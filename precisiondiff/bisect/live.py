@@ -290,7 +290,13 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     model = dut.prepare_model(wl.model)
     model.train(wl.train)
     inputs = dut.prepare_inputs(wl.inputs)
-    plain_forward_s = _timed_forward(wl, dut, model, inputs)
+    # timed on a copy, with the RNG state restored after: in training mode the timing forwards
+    # must not update BatchNorm statistics or consume dropout randomness of the bisected run
+    timing_model = dut.prepare_model(wl.model)
+    timing_model.train(wl.train)
+    with torch.random.fork_rng(devices=[]):
+        plain_forward_s = _timed_forward(wl, dut, timing_model, inputs)
+    del timing_model
     sink = MemorySink()
     t0 = time.perf_counter()
     with capture(model=model, level="all", mode="replay", sink=sink):
