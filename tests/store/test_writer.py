@@ -76,7 +76,9 @@ def test_index_follows_shards_and_flush(tmp_path):
     w = DumpWriter(tmp_path / "d", meta={}, shard_bytes=1 << 20)
     w.write_event(*op_event(0, [("output.0", torch.ones(4))]))
     w.write_event(*op_event(1, [("output.0", torch.ones(2))], stats_mode=True))
-    time.sleep(0.2)
+    deadline = time.monotonic() + 5  # wait for the writer thread to take both events
+    while not w._queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.001)
     # the shard is not full: neither event may be indexed yet (order = execution order)
     assert (tmp_path / "d" / "index.jsonl").read_text() == ""
     assert not list((tmp_path / "d").glob("shard-*"))
