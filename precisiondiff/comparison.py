@@ -178,7 +178,7 @@ def growth(rows: List[Row]) -> Dict[str, List[Dict[str, Any]]]:
         series = out[r.direction]
         prev = series[-1]["error"] if series else None
         ratio = (r.error / prev) if prev else None
-        series.append({"scope": r.scope, "name": r.name, "seq": r.seq, "rank": r.rank,
+        series.append({"scope": r.scope, "name": r.name, "seq": r.seq, "rank": r.rank, "step": r.step,
                        "error": r.error, "ulp": r.ulp, "growth": ratio})
     return out
 

@@ -15,6 +15,10 @@ def layer_growth(comparison: Comparison, direction: str = "forward") -> List[dic
     """The per-layer growth curve: module outputs of repeated layers (``blocks.3``), else
     the top-level modules, in execution order, each with its error and growth ratio."""
     series = comparison.growth.get(direction, [])
+    steps = {g.get("step") for g in series}
+    if len(steps) > 1:  # a multi-step dump: the curve of the last step (where drift has grown most)
+        last = max(steps, key=lambda v: -1 if v is None else v)
+        series = [g for g in series if g.get("step") == last]
     layers = [g for g in series if g["scope"].rpartition(".")[2].isdigit()]
     if not layers:
         layers = [g for g in series if g["scope"] and "." not in g["scope"]]
@@ -50,7 +54,8 @@ def summary_lines(c: Comparison) -> List[str]:
             more = " ..." if len(layers) > 8 else ""
             growth = (f"; largest growth x{format_number(worst['growth'])} at {worst['scope']}"
                       if worst["growth"] else "")
-            lines.append(f"{direction} error by layer: {curve}{more}{growth}")
+            at_step = f" (step {layers[0]['step']})" if len({g.get("step") for g in c.growth.get(direction, [])}) > 1 else ""
+            lines.append(f"{direction} error by layer{at_step}: {curve}{more}{growth}")
     for rank, rs in sorted(c.ranks.items()):
         fd = rs.get("first_divergence")
         lines.append(f"rank {rank}: {rs['tensors']} tensors, {rs['failed']} failed"
