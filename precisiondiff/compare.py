@@ -308,7 +308,7 @@ def _unmatched_rows(ev: Any, side: str, inputs: bool) -> Iterator[Row]:
                   dtype_a=t.dtype if t and side == "a" else None,
                   dtype_b=t.dtype if t and side == "b" else None,
                   shape=list(t.shape) if t else None, side=side, verdict="unmatched", mode="none",
-                  message=f"no matching event in {other}")
+                  match="none", message=f"no matching event in {other}")
 
 
 def _pair_rows(da: Any, db: Any, dn: Any, ea: Any, eb: Any, en: Any, how: str, inputs: bool,

@@ -47,7 +47,7 @@ class Row:
     key_b: Optional[str] = None
     seq_b: Optional[int] = None
     side: str = "both"
-    match: str = "exact"
+    match: str = "exact"  # exact | fused | none (unmatched)
     mode: str = "tensors"
     metrics: Dict[str, Any] = field(default_factory=dict)
     verdict: str = "pass"
