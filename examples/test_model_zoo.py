@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -89,7 +89,12 @@ def test_planted_bug_is_found(parity):
 @given(inp=op_inputs(torch.ops.aten.gelu.default, dtype=torch.float32,
                      elements=st.floats(-3, 1e4, width=32)))
 def test_gelu_within_one_ulp(parity, inp):
-    """For all x >= -3 (and every shape and layout), bf16 gelu is within 1 ULP of float64."""
+    """For all x >= -3 (and every shape and layout), bf16 gelu is within 1 ULP of float64.
+
+    Results below bf16's smallest normal are left out: CPUs with AVX512-BF16 flush them to zero
+    in the fp32->bf16 conversion (docs/pytest.md), which is hardware, not gelu."""
+    x = inp.args[0].double()
+    assume(not bool(((x != 0) & (x.abs() < 2.0 ** -124)).any()))
     parity.check_op(torch.ops.aten.gelu.default, *inp.args, kwargs=inp.kwargs, max_ulp=1)
 
 
