@@ -88,8 +88,9 @@ def _parents(events: List[UnitEvent]) -> Dict[int, Optional[int]]:
     """Innermost enclosing module call of every event (same direction).
 
     The enclosing scope is the longest module scope that is a prefix of the event's scope; of
-    that module's calls, the first to finish after the event (a full backward hook of a module
-    whose inputs need no gradient fires early: then its last call).
+    that module's calls, the first to finish after the event (the backward event of a module
+    whose inputs need no gradient is recorded as soon as its grad_output arrives, i.e. early:
+    then its last call).
     """
     calls: Dict[Tuple[str, str], List[UnitEvent]] = {}
     for m in events:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -27,15 +26,12 @@ __all__ = ["CaptureSession", "capture", "LEVELS"]
 LEVELS = ("module", "op", "all")
 log = logging.getLogger(__name__)
 
-# Expected for the first layer (token ids need no gradient): the hook then reports grad_output
-# only, which is what we record. Not worth a warning per step; silenced while a session is open.
-_EXPECTED_WARNING = "Full backward hook is firing when gradients are computed"
 
 # Backward ops are attributed to modules through the autograd graph: when a module's forward
 # returns, the graph nodes it created are tagged with its scope; in backward, the op's scope is
 # the tag of the node the engine is running. Cheaper and more exact than module backward hooks
-# (which also miss modules whose inputs need no gradient). Feature-detected: older PyTorch
-# falls back to the hooks.
+# (which also miss modules whose inputs need no gradient). Feature-detected: a PyTorch without
+# torch._C._current_autograd_node attributes backward ops to the innermost module still open.
 _SCOPE_TAG = "precisiondiff_scope"
 _CURRENT_NODE = getattr(torch._C, "_current_autograd_node", None)
 
@@ -116,14 +112,10 @@ def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int
                 stack.append(nxt)
     # what an outer module needs to skip this call: its input nodes, and its edges with the
     # identity of the node each one reaches (to be matched against the outer call's inputs)
-    exported = [(n, j, _target_identity(boundary, k)) for n, j, k in edges]
+    # (a key, id(grad_fn) or ("leaf", id(tensor)), names the same input in every call's boundary)
     for node in outputs:
-        shortcuts[id(node)] = (boundary.nodes, exported)
+        shortcuts[id(node)] = (boundary.nodes, edges)
     return edges
-
-
-def _target_identity(boundary: "_Boundary", key: Any) -> Any:
-    return key  # id(grad_fn) or ("leaf", id(tensor)): the same in every module's boundary
 
 
 class CaptureSession:
@@ -217,9 +209,6 @@ class CaptureSession:
                     "world_size": self.world_size, "multi_step": multi_step, **self.meta}
             self._sink = DumpSink(self.out, format=self.format, meta=meta, overwrite=self.overwrite)
         self.recorder = Recorder(self._sink, mode=self.mode, multi_step=multi_step, rank=self.rank)
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
-        warnings.filterwarnings("ignore", message=_EXPECTED_WARNING)
         try:
             model = self._model() if self._model is not None else None
             if model is not None:
@@ -231,7 +220,6 @@ class CaptureSession:
                 self._mode.__enter__()
         except BaseException:
             self._remove_hooks()
-            self._warnings.__exit__(None, None, None)
             raise
         return self
 
@@ -240,7 +228,6 @@ class CaptureSession:
             self._mode.__exit__(None, None, None)
             self._mode = None
         self._remove_hooks()
-        self._warnings.__exit__(None, None, None)
         # Whatever stopped the run, what was recorded is written. When an error is already on
         # its way out (a script that raised, a full disk), a second one from the sink must not
         # replace it: it is logged instead.
