@@ -17,9 +17,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import precisiondiff.hooks as hooks  # noqa: E402
-from precisiondiff.targets import Target  # noqa: E402
-from precisiondiff.workload import load_workload, run_workload  # noqa: E402
+import precisiondiff.capture as hooks  # noqa: E402
+from precisiondiff.runtime.targets import Target  # noqa: E402
+from precisiondiff.runtime.workload import load_workload, run_workload  # noqa: E402
 
 
 def _step(workload, target, model, inputs):

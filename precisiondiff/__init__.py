@@ -17,8 +17,7 @@ import importlib
 from typing import Any
 
 from .errors import PrecisionDiffError
-from .targets import Target
-from .workload import Workload
+from .runtime import Target, Workload
 
 __version__ = "0.1.0"
 
@@ -37,9 +36,9 @@ __all__ = [
 
 # name -> (module, attribute), imported on first access (PEP 562)
 _LAZY = {
-    "capture": (".hooks", "capture"),
+    "capture": (".capture", None),
     "load": (".store", "load"),
-    # the modules of these two names are callable as their function (see _callable.py)
+    # the packages of these three names are callable as their function (see _callable.py)
     "compare": (".compare", None),
     "bisect": (".bisect", None),
     "bisect_dump": (".bisect", "bisect_dump"),

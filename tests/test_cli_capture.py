@@ -164,7 +164,7 @@ def test_a_script_that_raises_keeps_what_it_recorded(tmp_path):
     dump = store.load(out)
     assert dump.complete is False
     assert len([e for e in dump.events() if e.name == "Linear"]) == 3
-    assert dump.meta["argv"][0].endswith(("cli.py", "precisiondiff")) and "--script" in dump.meta["argv"]
+    assert dump.meta["argv"][0].endswith(("__main__.py", "precisiondiff")) and "--script" in dump.meta["argv"]
 
 
 def test_a_failed_overwrite_keeps_the_previous_dump(tmp_path, example_spec):

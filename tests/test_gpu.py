@@ -5,7 +5,7 @@ Skipped cleanly where no GPU exists (CI has none); run on a GPU machine with `ma
 import pytest
 import torch
 
-from precisiondiff.targets import Target, default_dut
+from precisiondiff.runtime.targets import Target, default_dut
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
@@ -16,7 +16,7 @@ def test_default_dut_is_cuda_bf16():
 
 def test_capture_compare_bisect_on_cuda(tmp_path, buggy_spec):
     import precisiondiff
-    from precisiondiff.capture_run import capture_workload
+    from precisiondiff.capture.runner import capture_workload
     capture_workload(buggy_spec, tmp_path / "dut", target="cuda/bf16", mode="tensors")
     capture_workload(buggy_spec, tmp_path / "ref", target="cpu/float64", mode="tensors")
     dump = precisiondiff.load(tmp_path / "dut")
@@ -30,7 +30,7 @@ def test_capture_compare_bisect_on_cuda(tmp_path, buggy_spec):
 
 
 def test_statistics_on_the_device_match_the_cpu():
-    from precisiondiff.hooks.stats import StatsBatch
+    from precisiondiff.capture.stats import StatsBatch
     t = torch.randn(1000, 33)
     cpu, gpu = StatsBatch(), StatsBatch()
     h1, h2 = cpu.add(t), gpu.add(t.cuda())

@@ -152,6 +152,6 @@ def test_op_inputs_refuses_ops_it_cannot_fill():
 def test_package_import_does_not_import_hypothesis():
     import subprocess
     import sys
-    code = "import sys, precisiondiff, precisiondiff.pytest_plugin; print('hypothesis' in sys.modules)"
+    code = "import sys, precisiondiff, precisiondiff.testing.plugin; print('hypothesis' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from precisiondiff.errors import TargetError
-from precisiondiff import targets
-from precisiondiff.targets import Target, default_dut, default_ref, move_inputs, parse_dtype
+from precisiondiff.runtime import targets
+from precisiondiff.runtime.targets import Target, default_dut, default_ref, move_inputs, parse_dtype
 
 
 @pytest.mark.parametrize("text,device,dtype,autocast", [

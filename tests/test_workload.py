@@ -5,8 +5,8 @@ import torch
 
 from precisiondiff import Workload
 from precisiondiff.errors import WorkloadError
-from precisiondiff.targets import Target
-from precisiondiff.workload import call_model, load_workload, run_workload
+from precisiondiff.runtime.targets import Target
+from precisiondiff.runtime.workload import call_model, load_workload, run_workload
 
 
 def test_load_from_file_is_seeded_and_repeatable(example_spec):

@@ -3,6 +3,8 @@
 See docs/bisect.md. :func:`bisect` runs a workload live; :func:`bisect_dump` works from a dump
 captured with ``--mode replay``; :func:`register_reference` gives ops without a golden-dtype
 implementation a reference.
+
+Stage 4. May import runtime/, capture/, store/, comparators/ and compare/; never the faces.
 """
 from .live import bisect
 from .offline import bisect_dump

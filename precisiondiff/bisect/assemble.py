@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 
-from ..targets import Target
+from ..runtime.targets import Target
 from .engine import EngineOutput
 from .isolate import UnitEvent
 from .judge import parity_bound

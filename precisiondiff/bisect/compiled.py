@@ -36,9 +36,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..hooks.serialize import flatten_tensors
-from ..targets import Target
-from ..workload import Workload, run_workload
+from ..capture.serialize import flatten_tensors
+from ..runtime.targets import Target
+from ..runtime.workload import Workload, run_workload
 from .isolate import GoldenMode
 from .judge import parity_bound, rel_l2, unit_roundoff
 from .substitute import final_errors, replace_module_output

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Set
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..hooks.serialize import decode_args, flatten_tensors
+from ..capture.serialize import decode_args, flatten_tensors
 from .references import reference_for
 
 __all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op",

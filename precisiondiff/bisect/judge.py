@@ -31,7 +31,7 @@ import torch
 from ..comparators.tolerance import END_TO_END_FACTOR
 # An over-budget nondeterministic op is within noise when its max abs error is at most this many
 # times its run-to-run max abs difference: compare --noise's factor.
-from ..compare import NOISE_FACTOR
+from ..compare.dumps import NOISE_FACTOR
 
 __all__ = ["MODULE_OVER", "MODULE_FAR", "PARITY_FACTOR", "OpJudgement", "judge_op_outputs",
            "judge_module", "judge_standin", "StandInJudgement", "rel_l2", "unit_roundoff", "magnitude_op", "parity_bound",

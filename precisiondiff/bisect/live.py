@@ -8,9 +8,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import BisectError
-from ..hooks import MemorySink, capture
-from ..targets import Target, default_dut
-from ..workload import Workload, call_model, load_workload, run_workload
+from ..capture import MemorySink, capture
+from ..runtime.targets import Target, default_dut
+from ..runtime.workload import Workload, call_model, load_workload, run_workload
 from . import compiled
 from .assemble import assemble
 from .engine import EngineInput, EngineOutput, run_search

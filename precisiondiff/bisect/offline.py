@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..errors import BisectError, PrecisionDiffError
-from ..targets import Target
+from ..runtime.targets import Target
 from .assemble import assemble
 from .engine import EngineInput, run_search
 from .evidence import finals_of, input_evidence, param_grads_of
@@ -104,7 +104,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     Example:
         >>> r = bisect_dump("runs/mlu", workload="examples/tiny_transformer.py:build_with_bug")  # doctest: +SKIP
     """
-    from ..workload import load_workload
+    from ..runtime.workload import load_workload
     from .live import check_options, run_reference
     overrides = check_options(direction, budgets)
     started = time.perf_counter()

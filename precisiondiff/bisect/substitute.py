@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..hooks.serialize import flatten_tensors
+from ..capture.serialize import flatten_tensors
 
 __all__ = ["ReplaceOpMode", "replace_module_output", "final_errors"]
 

@@ -2,6 +2,8 @@
 
 Metrics (:func:`compare_tensors`) only measure; budgets (:class:`Budget`) judge; a
 :class:`Verdict` holds the judgement and its one-format message. See docs/comparators.md.
+
+The ruler: depends on tensors alone (torch, errors); every stage may import it.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import io
 import json
 from typing import Any, Dict, List, Optional
 
-from ..comparison import Comparison, Row
+from ..compare.comparison import Comparison, Row
 
 __all__ = ["to_json", "to_csv", "CSV_COLUMNS"]
 

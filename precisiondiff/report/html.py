@@ -11,7 +11,7 @@ import logging
 import math
 from typing import Any, Dict, List, Optional
 
-from ..comparison import Comparison, Row
+from ..compare.comparison import Comparison, Row
 from . import plots
 from .listing import format_number
 from .table import layer_growth, summary_lines

@@ -42,7 +42,7 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
     """Print the dump's provenance and a table of its events; returns the number of events shown."""
     from rich.table import Table
 
-    from ..hooks.filters import compile_regex
+    from ..capture.filters import compile_regex
     from ..store import load
     scope_re, name_re = compile_regex(scope, "--scope"), compile_regex(name, "--name")
     dump = load(path)

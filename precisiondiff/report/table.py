@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from ..comparison import Comparison, Row
+from ..compare.comparison import Comparison, Row
 from .listing import format_number
 
 __all__ = ["render_table", "summary_lines", "layer_growth"]

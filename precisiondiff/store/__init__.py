@@ -1,6 +1,9 @@
 """The dump format: write (async, atomic), read (lazy, memory-mapped), verify.
 
 See docs/dump-format.md for the layout on disk.
+
+Stage 2 of capture -> store -> compare -> bisect. Imports torch, safetensors, h5py and errors
+only; the tensor key is built here alone (:func:`schema.tensor_key`).
 """
 from __future__ import annotations
 

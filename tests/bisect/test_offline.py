@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from precisiondiff.bisect import bisect_dump
-from precisiondiff.capture_run import capture_workload
+from precisiondiff.capture.runner import capture_workload
 from precisiondiff.cli import cli
 
 BUGGY = "examples/tiny_transformer.py:build_with_bug"

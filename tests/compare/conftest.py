@@ -14,7 +14,7 @@ _CACHE: Dict[tuple, str] = {}
 @pytest.fixture(scope="session")
 def capture_example(tmp_path_factory, example_spec):
     """capture_example(target, level, mode, spec=None) -> dump path (cached for the session)."""
-    from precisiondiff.capture_run import capture_workload
+    from precisiondiff.capture.runner import capture_workload
 
     def run(target: str, level: str = "all", mode: str = "tensors", spec: Optional[str] = None,
             repeat: int = 1) -> str:

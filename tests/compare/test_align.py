@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precisiondiff.align import EventRef, align_events
+from precisiondiff.compare.align import EventRef, align_events
 from precisiondiff.errors import AlignmentError
 
 OPS = ["aten.mm", "aten.add", "aten.mul", "aten.rsqrt", "aten.mean", "aten._to_copy", "aten.gelu"]

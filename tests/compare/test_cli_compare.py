@@ -92,8 +92,8 @@ OVERFLOW = textwrap.dedent('''
 
 
 def test_scan_finds_the_planted_overflow(tmp_path):
-    from precisiondiff.capture_run import capture_workload
-    from precisiondiff.scan import scan
+    from precisiondiff.capture.runner import capture_workload
+    from precisiondiff.compare.scan import scan
     (tmp_path / "net.py").write_text(OVERFLOW)
     capture_workload(f"{tmp_path / 'net.py'}:build", tmp_path / "d", target="cpu/bf16", mode="stats")
     result = scan(tmp_path / "d")

@@ -178,8 +178,8 @@ def _two_rank_capture(path, target, monkeypatch, scale=1.0):
     import torch
     from torch import nn
 
-    from precisiondiff.hooks import capture
-    from precisiondiff.targets import Target
+    from precisiondiff.capture import capture
+    from precisiondiff.runtime.targets import Target
     t = Target.parse(target)
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))

@@ -7,7 +7,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from precisiondiff.errors import PrecisionDiffError
-from precisiondiff.parity import check_op
+from precisiondiff.testing.parity import check_op
 from precisiondiff.strategies import op_inputs, parity_settings
 from precisiondiff.testing import assert_op_parity
 

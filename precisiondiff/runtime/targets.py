@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .errors import TargetError
+from ..errors import TargetError
 
 __all__ = [
     "Target",

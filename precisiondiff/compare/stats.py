@@ -132,7 +132,7 @@ def judge_stats(m: Mapping[str, Any], dtype: str, *, key: str = "",
             return False, f"{what}: {dtype} statistics differ (allowed: identical). {hint}"
         return True, ""
     if dtype not in STATS_RTOL:
-        from .errors import PrecisionDiffError
+        from ..errors import PrecisionDiffError
         raise PrecisionDiffError(f"{what}: no statistics bound for dtype {dtype}; capture with "
                                  "--mode tensors to compare it element-wise")
     bound = max(STATS_RTOL[dtype], STATS_RTOL.get(run_dtype or "", 0.0))
@@ -153,8 +153,8 @@ def run_dtype(target: Optional[str]) -> Optional[str]:
     """
     if not target or "/" not in str(target):
         return None
-    from .store.schema import dtype_name
-    from .targets import parse_dtype
+    from ..store.schema import dtype_name
+    from ..runtime.targets import parse_dtype
     try:
         return dtype_name(parse_dtype(str(target).split("/", 1)[1].split("+", 1)[0]))
     except Exception:  # an unknown dtype in a foreign dump's meta: no run-level bound

@@ -25,11 +25,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .comparators.tolerance import END_TO_END_FACTOR, end_to_end_bound
+from ..comparators.tolerance import END_TO_END_FACTOR, end_to_end_bound
 
-from .errors import PrecisionDiffError
-from .targets import Target, default_dut, default_ref, dtype_name, move_inputs
-from .workload import Workload, load_workload, run_workload
+from ..errors import PrecisionDiffError
+from ..runtime.targets import Target, default_dut, default_ref, dtype_name, move_inputs
+from ..runtime.workload import Workload, load_workload, run_workload
 
 __all__ = ["PARITY_FACTOR", "BUDGET_KEYS", "TensorCheck", "ParityResult", "check", "check_op",
            "as_workload"]
@@ -44,7 +44,7 @@ BUDGET_KEYS = ("rel_l2", "max_ulp", "min_cosine")
 def _metrics(actual: torch.Tensor, expected: torch.Tensor) -> Dict[str, Any]:
     """``compare_tensors`` as a plain dict; ``rel_l2`` is its ``diff2`` (relative L2 error)."""
     import dataclasses
-    from .comparators import compare_tensors
+    from ..comparators import compare_tensors
     m = compare_tensors(actual.detach(), expected.detach())
     raw = m.to_dict() if hasattr(m, "to_dict") else dataclasses.asdict(m)
     out = {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None}
@@ -53,7 +53,7 @@ def _metrics(actual: torch.Tensor, expected: torch.Tensor) -> Dict[str, Any]:
 
 
 def _budget(name: str, dtype: torch.dtype, max_ulp: Optional[float] = None) -> Any:
-    from .comparators import budget_for
+    from ..comparators import budget_for
     overrides = {"*": {"max_ulp": max_ulp}} if max_ulp is not None else None
     return budget_for(dtype, name, overrides=overrides)
 
@@ -223,7 +223,7 @@ def _judge(key: str, actual: torch.Tensor, expected: torch.Tensor, bound: Dict[s
 
 
 def _ulp_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    from .comparators import ulp_error
+    from ..comparators import ulp_error
     if actual.numel() == 0:
         return torch.zeros(0, dtype=torch.float64)
     err = ulp_error(actual.detach(), expected.detach().to(actual.device), actual.dtype).abs()
@@ -285,7 +285,7 @@ def _run(workload: Workload, target: Target) -> Dict[str, torch.Tensor]:
 
 def _capture_pair(workload: Workload, dut: Target, ref: Target, out: str) -> Dict[str, str]:
     """Rerun both targets under capture into ``out/dut`` and ``out/ref`` (tensors mode)."""
-    from .hooks import capture
+    from ..capture import capture
     dirs = {}
     for side, target in (("dut", dut), ("ref", ref)):
         path = os.path.join(out, side)
@@ -319,7 +319,7 @@ def _kernel_check(bisect: Dict[str, Any], direction: Optional[str]) -> TensorChe
 def _run_bisect(workload: Workload, dut: Target, ref: Target,
                 direction: Optional[str] = None) -> Tuple[Optional[Dict[str, Any]], str]:
     try:
-        from .bisect import bisect as run_bisect  # type: ignore[attr-defined]
+        from ..bisect import bisect as run_bisect  # type: ignore[attr-defined]
     except ImportError:
         return None, "bisect is not available in this build"
     try:
@@ -466,7 +466,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     kwargs = dict(kwargs or {})
     name = name or _op_name(fn)
     bound = _bounds(dut.dtype, budgets)
-    from .comparators import op_class
+    from ..comparators import op_class
     cls = op_class(name)
     dut_in = dut.prepare_inputs((inputs, kwargs))
     ref_in = move_inputs(dut_in, golden.device, golden.dtype)

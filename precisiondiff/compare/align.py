@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .errors import AlignmentError
+from ..errors import AlignmentError
 
 __all__ = ["EventRef", "Pair", "Alignment", "align_events", "check_same_structure"]
 

@@ -6,7 +6,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .comparators.ulp import float_format, ulp_distance
+from ..comparators.ulp import float_format, ulp_distance
 
 __all__ = ["assert_ulp_close", "assert_parity", "assert_op_parity"]
 

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from .align import Alignment, EventRef, align_events
-from .compare_stats import compare_stats, judge_stats, run_dtype, stats_error
+from .stats import compare_stats, judge_stats, run_dtype, stats_error
 from .comparison import NOISE_FACTOR, Comparison, Row, _finite, _sort_value  # noqa: F401
 from .comparison import add_notes as _add_notes, determinism as _determinism  # noqa: F401
 from .comparison import first_divergence as _first_divergence, growth as _growth, summarize as _summarize
-from .errors import AlignmentError, DumpError, PrecisionDiffError
+from ..errors import AlignmentError, DumpError, PrecisionDiffError
 
 __all__ = ["Row", "Comparison", "compare", "NOISE_FACTOR", "DEFAULT_SLOTS", "UNINITIALIZED"]
 
@@ -63,7 +63,7 @@ class _Judge:
     """The end-to-end rule for rows of two whole runs, with an optional ``rel_l2`` override."""
 
     def __init__(self, budgets: Any) -> None:
-        from . import comparators as C
+        from .. import comparators as C
         self._C = C
         if budgets is not None and (not isinstance(budgets, Mapping) or set(budgets) - {"rel_l2"}
                                     or not isinstance(budgets.get("rel_l2"), (int, float))):
@@ -80,7 +80,7 @@ class _Judge:
         relative L2 error (diff2) against ``end_to_end_bound`` of A's dtype (or ``rel_l2`` from
         the overrides). Per-element kernel budgets belong to isolated kernels (bisect): here
         every tensor carries its inputs' error too."""
-        from .store.schema import dtype_from_name
+        from ..store.schema import dtype_from_name
         bound = self._C.end_to_end_bound(dtype_from_name(dtype))
         if self.run_dtype:  # a float32 tensor of a bf16 run inherits bf16 error
             bound = max(bound, self._C.end_to_end_bound(dtype_from_name(self.run_dtype)))
@@ -133,7 +133,7 @@ def _compare_tensor_pair(dump_a: Any, dump_b: Any, rec_a: Any, rec_b: Any, devic
                          ) -> Any:
     """Element-wise metrics of one pair (a TensorMetrics; a dict for integer/bool tensors),
     read lazily and dropped after."""
-    from .comparators import compare_tensors
+    from ..comparators import compare_tensors
     ta, tb = dump_a.tensor(rec_a.key), dump_b.tensor(rec_b.key)
     if device:
         ta, tb = ta.to(device, non_blocking=True), tb.to(device, non_blocking=True)
@@ -185,7 +185,7 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
         >>> cmp = compare("runs/dut", "runs/ref")  # doctest: +SKIP
         >>> cmp.first_divergence["scope"], cmp.exit_code  # doctest: +SKIP
     """
-    from .store import load
+    from ..store import load
     dump_a, dump_b = load(a), load(b)
     dump_n = load(noise) if noise is not None else None
     for what, d in (("A", dump_a), ("B", dump_b)) + ((("noise", dump_n),) if dump_n else ()):
@@ -198,11 +198,11 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
     _check_meta(dump_a.meta, dump_b.meta, dump_n.meta if dump_n else None, noise)
     judge = _Judge(budgets)
     judge.run_dtype = run_dtype(dump_a.meta.get("target"))
-    from .hooks.filters import compile_regex
+    from ..capture.filters import compile_regex
     scope_re, op_re = compile_regex(scope, "--scope"), compile_regex(op, "--op")
     if device is not None:
-        from .errors import TargetError
-        from .targets import Target
+        from ..errors import TargetError
+        from ..runtime.targets import Target
         try:
             Target.parse(device).check_available()
         except TargetError as err:
@@ -395,8 +395,3 @@ def _apply_noise(row: Row, da: Any, dn: Any, ra: Any, rn: Any, device: Optional[
         row.verdict, row.within_noise = "pass", True
         row.message = (f"within run-to-run noise: error {err:.3g} <= {NOISE_FACTOR:g} x noise "
                        f"{floor:.3g}")
-
-
-from ._callable import make_callable  # noqa: E402
-
-make_callable(__name__, "compare")

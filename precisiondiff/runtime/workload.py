@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .errors import PrecisionDiffError, WorkloadError
+from ..errors import PrecisionDiffError, WorkloadError
 from .targets import Target
 
 __all__ = ["Workload", "load_workload", "seed_everything", "call_model", "RunResult", "run_workload"]

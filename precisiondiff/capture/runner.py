@@ -8,11 +8,11 @@ import shutil
 import sys
 from typing import Iterator, List, Optional
 
-from .errors import PrecisionDiffError, WorkloadError
-from .hooks import capture
-from .hooks.filters import parse_selection
-from .targets import Target, default_dut
-from .workload import load_workload, run_workload
+from ..errors import PrecisionDiffError, WorkloadError
+from . import capture
+from .filters import parse_selection
+from ..runtime.targets import Target, default_dut
+from ..runtime.workload import load_workload, run_workload
 
 __all__ = ["capture_workload", "capture_script"]
 
@@ -99,7 +99,7 @@ def capture_script(script: str, args: List[str], out: "str | os.PathLike", *, le
     """
     if not os.path.isfile(script):
         raise WorkloadError(f"script not found: {script}")
-    from .workload import seed_everything
+    from ..runtime.workload import seed_everything
     seed_everything(seed)
     meta = {"target": "script", "seed": seed, "workload": f"--script {script}", "script_args": args,
             "argv": list(sys.argv)}  # precisiondiff's own command line, before the script's replaces it

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 import precisiondiff
-from precisiondiff.hooks import MemorySink, capture
-from precisiondiff.hooks.serialize import decode_args
-from precisiondiff.targets import Target
-from precisiondiff.workload import load_workload, run_workload
+from precisiondiff.capture import MemorySink, capture
+from precisiondiff.capture.serialize import decode_args
+from precisiondiff.runtime.targets import Target
+from precisiondiff.runtime.workload import load_workload, run_workload
 
 BF16 = Target.parse("cpu/bf16")
 
@@ -151,7 +151,7 @@ def test_steps_and_training_loop_api(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with precisiondiff.hooks.capture(tmp_path / "d", model=model, mode="tensors", steps="1-2") as cap:
+    with precisiondiff.capture.capture(tmp_path / "d", model=model, mode="tensors", steps="1-2") as cap:
         for _ in range(4):
             model(torch.randn(3, 4)).sum().backward()
             opt.step()
@@ -231,7 +231,7 @@ def test_capture_to_disk_and_load(tmp_path, example_spec, fmt):
                                    torch.float8_e4m3fn, torch.int64, torch.bool])
 def test_batched_stats_equal_per_tensor_stats(dtype):
     """Small tensors are reduced together; the result must equal reducing each alone."""
-    from precisiondiff.hooks.stats import StatsBatch
+    from precisiondiff.capture.stats import StatsBatch
     from precisiondiff.store import fingerprint
     g = torch.Generator().manual_seed(0)
     tensors = [(torch.randn(n, generator=g) * 3).to(dtype) for n in (1, 7, 300, 5)]
@@ -250,7 +250,7 @@ def test_batched_stats_equal_per_tensor_stats(dtype):
 
 
 def test_snapshot_is_taken_when_recorded():
-    from precisiondiff.hooks.stats import StatsBatch
+    from precisiondiff.capture.stats import StatsBatch
     batch = StatsBatch()
     t = torch.ones(4)
     h = batch.add(t)
@@ -291,7 +291,7 @@ def test_reshaped_views_share_statistics_not_data():
 
 
 def test_statistics_of_huge_bf16_values_stay_finite_on_the_cpu():
-    from precisiondiff.hooks.stats import StatsBatch
+    from precisiondiff.capture.stats import StatsBatch
     batch = StatsBatch()
     small, large = torch.full((100,), 1e20).to(torch.bfloat16), torch.full((70000,), 1e20).to(torch.bfloat16)
     hs, hl = batch.add(small), batch.add(large)
@@ -302,7 +302,7 @@ def test_statistics_of_huge_bf16_values_stay_finite_on_the_cpu():
 
 
 def test_dedup_window_is_bounded_in_bytes():
-    from precisiondiff.hooks.recorder import Recorder
+    from precisiondiff.capture.recorder import Recorder
     rec = Recorder(MemorySink(), dedup_bytes=1 << 20)
     for _ in range(10):
         ev = rec.begin("op", "", "aten.add.Tensor", "forward")

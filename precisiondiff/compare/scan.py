@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from .compare import UNINITIALIZED
+from .dumps import UNINITIALIZED
 
 __all__ = ["ScanResult", "scan", "EXPLODE", "VANISH", "INF_WRITERS"]
 
@@ -114,8 +114,8 @@ def scan(path: Union[str, Path], *, explode: float = EXPLODE, vanish: float = VA
     Example:
         >>> scan("runs/dut").first("nonfinite")  # doctest: +SKIP
     """
-    from .errors import PrecisionDiffError
-    from .store import load
+    from ..errors import PrecisionDiffError
+    from ..store import load
     if not explode > 1 or not 0 < vanish < 1:
         raise PrecisionDiffError(f"scan needs explode > 1 and 0 < vanish < 1 (got {explode}, {vanish})")
     dump = load(path)

@@ -52,9 +52,9 @@ def _progress():
                    "is not a culprit")
 def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets, noise) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, or DUT_DUMP [REF_DUMP])."""
-    from .bisect import bisect as run_live, bisect_dump
-    from .bisect.render import summary_lines
-    from .errors import PrecisionDiffError, BisectError
+    from ..bisect import bisect as run_live, bisect_dump
+    from ..bisect.render import summary_lines
+    from ..errors import PrecisionDiffError, BisectError
     offline = os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json"))
     if not offline and ":" not in source:
         what = ("a directory without meta.json" if os.path.isdir(source) else

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import click
 
-from .errors import PrecisionDiffError
+from ..errors import PrecisionDiffError
 
 __all__ = ["compare", "report", "scan"]
 
@@ -62,7 +62,7 @@ def _stderr_progress(enabled: bool):
 
 def _run_compare(a: str, b: str, scope, op, direction, kind, inputs, device, noise, rel_l2, progress,
                  only_failing: bool = False):
-    from .compare import compare as run
+    from ..compare.dumps import compare as run
     if rel_l2 is not None and not rel_l2 > 0:
         raise PrecisionDiffError("--rel-l2 must be a positive number")
     update, stop = _stderr_progress(progress)
@@ -106,23 +106,23 @@ def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, 
         worst = {id(r) for r in c.top(top)}
         rows = [r for r in rows if id(r) in worst]
     if fmt == "json":
-        from .report.csv_json import to_json
+        from ..report.csv_json import to_json
         _write(to_json(c, rows), out)
     elif fmt == "csv":
-        from .report.csv_json import to_csv
+        from ..report.csv_json import to_csv
         _write(to_csv(c, rows), out)
     elif fmt == "html":
-        from .report.html import render_html
+        from ..report.html import render_html
         _write(render_html(c, rows=rows), out)
     else:
-        from .cli import _console
+        from .console import console as _console
         if out is None:
-            from .report.table import render_table
+            from ..report.table import render_table
             render_table(c, _console(), rows=rows)
         else:
             from rich.console import Console
 
-            from .report.table import render_table
+            from ..report.table import render_table
             try:
                 with open(out, "w", encoding="utf-8") as fh:
                     render_table(c, Console(file=fh, width=200, highlight=False), rows=rows)
@@ -140,7 +140,7 @@ def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, 
 @click.pass_context
 def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, noise, rel_l2, progress) -> None:
     """Write a self-contained HTML report of the comparison of A (DUT) with B (reference)."""
-    from .report.html import render_html
+    from ..report.html import render_html
     c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, rel_l2, progress)
     _write(render_html(c, worst=worst, device=device), out)
     ctx.exit(c.exit_code)
@@ -155,7 +155,7 @@ def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, no
 def scan(ctx, dump, fmt, explode, vanish) -> None:
     """Find the first event that produced NaN/Inf from finite inputs, and exploding or
     vanishing gradients. Exit 1 when an anomaly is found."""
-    from .scan import scan as run_scan
+    from ..compare.scan import scan as run_scan
     kwargs = {k: v for k, v in (("explode", explode), ("vanish", vanish)) if v is not None}
     result = run_scan(dump, **kwargs)
     if fmt == "json":

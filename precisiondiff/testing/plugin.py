@@ -22,9 +22,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-from .errors import PrecisionDiffError
-from . import options as _options
-from .targets import Target, default_dut
+from ..errors import PrecisionDiffError
+from ..cli import options as _options
+from ..runtime.targets import Target, default_dut
 
 __all__ = ["MARKER_KEYS", "ParitySettings", "ParityFixture"]
 

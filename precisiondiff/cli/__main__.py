@@ -1,0 +1,4 @@
+"""``python -m precisiondiff.cli``."""
+from . import main
+
+main()

@@ -1,0 +1,69 @@
+"""``precisiondiff capture``: record a workload or a script into a dump."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import PrecisionDiffError
+from .options import CAPTURE_OPTIONS, click_options
+
+__all__ = ["capture", "refuse_workload_with_script"]
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED, metavar="WORKLOAD | --script FILE -- ARGS")
+@click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False), help="dump directory")
+@click_options(*CAPTURE_OPTIONS)
+@click.option("--script", type=click.Path(), default=None, help="run this Python script under capture")
+@click.option("--views", is_flag=True, help="also record view/alias ops (they do no arithmetic)")
+@click.option("--train", is_flag=True, help="keep training mode (dropout active); default: eval mode")
+@click.option("--repeat", type=int, default=1, show_default=True,
+              help="capture N times into OUT/run0..run{N-1} to measure run-to-run determinism")
+@click.option("--overwrite", is_flag=True, help="replace an existing dump in OUT")
+def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, op, op_exclude,
+            steps, ranks, script, views, train, repeat, overwrite) -> None:
+    """Capture a workload (path/file.py:fn or package.module:fn) or a script into a dump."""
+    from ..capture.runner import capture_script, capture_workload
+    filters = dict(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
+                   ranks=ranks, views=views)
+    if script:
+        if target:
+            raise PrecisionDiffError("--target has no effect with --script: the script places its model "
+                                     "itself; capture a WORKLOAD to choose the target")
+        if repeat != 1:
+            raise PrecisionDiffError("--repeat works with a WORKLOAD, not with --script")
+        summary = capture_script(script, list(argv), out, level=level, mode=mode, format=format,
+                                 steps=steps, seed=seed, overwrite=overwrite, **filters)
+    else:
+        unknown = [a for a in argv if a.startswith("-")]
+        if unknown:
+            raise PrecisionDiffError(f"unknown option {unknown[0]} (see 'precisiondiff capture --help')")
+        if len(argv) != 1:
+            raise PrecisionDiffError("capture needs one WORKLOAD (path/to/file.py:fn or package.module:fn) "
+                                     "or --script FILE -- ARGS")
+        if repeat < 1:
+            raise PrecisionDiffError("--repeat must be at least 1")
+        summary = capture_workload(argv[0], out, target=target, level=level, mode=mode, format=format,
+                                   seed=seed, steps=steps, train=train, repeat=repeat,
+                                   overwrite=overwrite, **filters)
+    click.echo(summary)
+
+
+_VALUED = {"-o", "--out", "-t", "--target", "--level", "--mode", "--format", "--seed", "--scope",
+           "--scope-exclude", "--op", "--op-exclude", "--steps", "--ranks", "--script", "--repeat"}
+
+
+def refuse_workload_with_script(args: list) -> None:
+    """``capture WORKLOAD --script FILE`` would hand WORKLOAD to the script as an argument."""
+    before = args[: args.index("--")] if "--" in args else args
+    expect_value = False
+    for token in before:
+        if expect_value:
+            expect_value = False
+        elif token in _VALUED:
+            expect_value = True
+        elif not token.startswith("-"):
+            click.echo(f"error: give a WORKLOAD or --script FILE, not both ({token!r}); the script's own "
+                       "arguments go after --", err=True)
+            sys.exit(2)
