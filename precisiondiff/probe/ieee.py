@@ -3,7 +3,7 @@
 - **cast rounding**: ``1 + f * ulp`` for f in 0.25, 0.5, 0.75, 1.5 and the negatives, cast from
   float32 (each repeated 32 times): nearest-even, nearest-away, toward zero/-inf/+inf, or
   stochastic, decided as for accumulators.
-- **cast overflow**: ``2 * max_finite`` of the target format: ``inf``, ``saturate`` (the largest
+- **cast overflow**: ``2 * max_finite`` of the target format (float32's largest for bfloat16): ``inf``, ``saturate`` (the largest
   finite value) or ``nan``.
 - **subnormals**: a result that should be subnormal (``1.5 * tiny - tiny`` in a sum, ``tiny / 2``
   in a product, ``3 * smallest`` in a cast): ``kept`` or ``flushed`` (FTZ); and a subnormal
@@ -69,11 +69,13 @@ def cast_rounding(k: Kernels, dst: torch.dtype, repeats: int = 32) -> Tuple[str,
 
 
 def cast_overflow(k: Kernels, dst: torch.dtype) -> Tuple[str, str]:
-    """What a float32 value twice the largest finite ``dst`` value becomes."""
+    """What a finite float32 value far above the largest finite ``dst`` value becomes (twice it,
+    or float32's largest value for formats as wide as float32)."""
     big = float_format(dst).max_finite
-    res = float(_cast(k, torch.tensor([2 * big], dtype=torch.float64), dst)[0])
+    x = min(2 * big, float_format(torch.float32).max_finite)
+    res = float(_cast(k, torch.tensor([x], dtype=torch.float64), dst)[0])
     name = "inf" if res == float("inf") else "nan" if res != res else "saturate" if res == big else "other"
-    return name, f"{2 * big:g} -> {res:g}"
+    return name, f"{x:g} -> {res:g}"
 
 
 def cast_subnormals(k: Kernels, dst: torch.dtype) -> Tuple[str, str]:
@@ -90,27 +92,32 @@ def _tiny(dtype: torch.dtype) -> Tuple[float, float]:
 
 
 def subnormals(k: Kernels, family: str) -> Tuple[str, str]:
-    """``kept``, ``flushed`` (FTZ: subnormal results become 0), ``read as zero`` (DAZ) or both,
-    for ``mul``, ``add`` or a summing family."""
+    """``kept``, ``flushed`` (FTZ: subnormal results become 0), ``read as zero`` (DAZ: subnormal
+    inputs count as 0 even where the result is normal) or both, for ``mul``, ``add`` or a
+    summing family."""
     normal, smallest = _tiny(k.dtype)
+    sub = 2 * smallest
+    if family == "mul":
+        scale = 2.0 ** (float_format(k.dtype).mant_bits + 1)
+        x = torch.tensor([normal, sub], dtype=torch.float64)
+        y = torch.tensor([0.5, scale], dtype=torch.float64)
+        want, if_daz = [0.5 * normal, sub * scale], 0.0
+    else:
+        x = torch.tensor([1.5 * normal, sub], dtype=torch.float64)
+        y = torch.tensor([-normal, normal], dtype=torch.float64)
+        want, if_daz = [0.5 * normal, normal + sub], normal
     if family in ("mul", "add"):
-        fn: Callable = k.ops[family]
-        if family == "mul":
-            x = torch.tensor([normal, 2 * smallest], dtype=torch.float64)
-            y = torch.tensor([0.5, 1.0], dtype=torch.float64)
-        else:
-            x = torch.tensor([1.5 * normal, 2 * smallest], dtype=torch.float64)
-            y = torch.tensor([-normal, 0.0], dtype=torch.float64)
-        res = fn(k.put(x), k.put(y)).to("cpu").to(torch.float64)
+        res = k.ops[family](k.put(x), k.put(y)).to("cpu").to(torch.float64)
     else:
         a = torch.zeros(2, 8, dtype=torch.float64)
-        a[0, 0], a[0, 1], a[1, 0] = 1.5 * normal, -normal, 2 * smallest
+        a[:, 0], a[:, 1] = x, y
         res = dot(k, family, a)
-    want = [0.5 * normal, 2 * smallest]
-    ftz, daz = float(res[0]) == 0.0, float(res[1]) == 0.0
-    evidence = f"subnormal result {want[0]:g} -> {float(res[0]):g}; subnormal input {want[1]:g} -> {float(res[1]):g}"
-    if float(res[0]) not in (0.0, want[0]) or float(res[1]) not in (0.0, want[1]):
+    got = [float(res[0]), float(res[1])]
+    evidence = (f"subnormal result {want[0]:g} -> {got[0]:g}; subnormal input: "
+                f"{x[1].item():g} {'*' if family == 'mul' else '+'} {y[1].item():g} -> {got[1]:g}")
+    if got[0] not in (0.0, want[0]) or got[1] not in (if_daz, want[1]):
         return "other", evidence
+    ftz, daz = got[0] == 0.0, got[1] != want[1]
     return {(False, False): "kept", (True, False): "flushed", (False, True): "read as zero",
             (True, True): "flushed, read as zero"}[(ftz, daz)], evidence
 

@@ -147,7 +147,8 @@ def dot(k: Kernels, family: str, a: torch.Tensor, b: Optional[torch.Tensor] = No
         raise ValueError(f"{family} takes no per-row second operand")
     if family == "gemm":
         if b is None:
-            return _back(fn(k.put(a), k.put(torch.ones(n, 1, dtype=torch.float64))))[:, 0]
+            # 16 columns, not 1: a one-column product may take a matrix-vector path
+            return _back(fn(k.put(a), k.put(torch.ones(n, 16, dtype=torch.float64))))[:, 0]
         out = [_back(fn(k.put(a[i:i + 64]), k.put(b[i:i + 64].T))).diagonal()
                for i in range(0, rows_, 64)]
         return torch.cat(out)

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Tuple
 import torch
 
 from .. import __version__
+from ..comparators.ulp import float_format
 from ..errors import PrecisionDiffError
 from ..targets import Target, dtype_name
 from . import accumulator, accuracy, determinism, ieee, order
@@ -74,12 +75,21 @@ def _dot(card: Card, op: str, family: str, k: Kernels) -> None:
         if mode == "toward-zero":
             _safe(card, op, family, "extra_bits", lambda: accumulator.extra_bits(k, family, p, place))
     if family in PRODUCT_FAMILIES:
-        _safe(card, op, family, "input_bits", lambda: accumulator.input_bits(k, family))
+        _safe(card, op, family, "input_bits", lambda: _input_bits(k, family, p))
     _safe(card, op, family, "order", lambda: order.reveal(k, family, p))
     _safe(card, op, family, "deterministic", lambda: determinism.deterministic(k, family))
     _safe(card, op, family, "batch_invariant", lambda: determinism.batch_invariant(k, family))
-    _safe(card, op, family, "subnormals", lambda: ieee.subnormals(k, family))
+    if family != "mean":  # a mean's division makes its own subnormals
+        _safe(card, op, family, "subnormals", lambda: ieee.subnormals(k, family))
     _safe(card, op, family, "sum_of_negative_zeros", lambda: ieee.sum_of_negative_zeros(k, family))
+
+
+def _input_bits(k: Kernels, family: str, acc_bits: Optional[int]) -> Tuple[Any, str]:
+    bits, evidence = accumulator.input_bits(k, family)
+    if bits < float_format(k.dtype).mant_bits + 1 and acc_bits is not None and bits >= acc_bits:
+        # the output passes through the accumulator: inputs wider than it cannot show
+        return f">={acc_bits}", f"{evidence}; not narrower than the {acc_bits}-bit accumulator"
+    return bits, evidence
 
 
 def _accuracy(card: Card, op: str, family: str, stats_fn: Callable[[], dict]) -> None:
