@@ -1,15 +1,16 @@
 """Accuracy in ULPs of element-wise transcendentals and row-wise kernels.
 
 Element-wise (exp, log, tanh, erf, sigmoid, rsqrt, gelu, silu): every finite value of a 16-bit
-dtype (65 536 inputs), or for float32 the bfloat16 grid plus 65 536 random float32 bit
-patterns. The reference is the function in float64 on the CPU; the error is
+dtype (65 280 inputs), or for float32 the bfloat16 grid plus 65 536 random float32 bit
+patterns; then +inf, -inf and NaN. The reference is the function in float64 on the CPU; the error is
 ``|y - f64(x)| / ulp(f64(x))`` in the dtype (0.5 = correctly rounded). Results whose rounded
 reference is subnormal are left out of the ULP figures and counted as flushed when the kernel
 returns 0; results where one side is NaN or infinite and the other not are counted as special
 value mismatches (overflow to inf is right when the rounded reference overflows).
 
 Row-wise (softmax, layer_norm, rms_norm): 64 rows of 256 normal values (std 4) against the
-family's float64 result on the CPU, same ULP measure.
+family's float64 result on the CPU, same ULP measure. gelu and silu at -inf are referred to
+their limit, -0 (float64 evaluates ``-inf * 0`` to NaN).
 """
 from __future__ import annotations
 
@@ -23,10 +24,17 @@ from .kernels import Kernels
 
 __all__ = ["sweep_inputs", "elementwise_accuracy", "rowwise_accuracy", "REFERENCE"]
 
+
+def _limit_at_minus_inf(fn):
+    # x * (something -> 0) is NaN at -inf in float64; the function's limit there is -0
+    return lambda x: torch.where(x == float("-inf"), -0.0, fn(x))
+
+
 #: The float64 references, computed on the CPU.
 REFERENCE = {
     "exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "erf": torch.erf,
-    "sigmoid": torch.sigmoid, "rsqrt": torch.rsqrt, "gelu": F.gelu, "silu": F.silu,
+    "sigmoid": torch.sigmoid, "rsqrt": torch.rsqrt,
+    "gelu": _limit_at_minus_inf(F.gelu), "silu": _limit_at_minus_inf(F.silu),
     "softmax": lambda x: torch.softmax(x, -1),
     "layer_norm": lambda x: F.layer_norm(x, (x.shape[-1],)),
     "rms_norm": lambda x: F.rms_norm(x, (x.shape[-1],)),
@@ -34,7 +42,8 @@ REFERENCE = {
 
 
 def sweep_inputs(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Finite inputs covering ``dtype``'s range (float64 CPU tensor of values exact in dtype)."""
+    """Every finite value of a 16-bit ``dtype`` (a sample for wider ones), then +inf, -inf, NaN
+    (a float64 CPU tensor of values exact in ``dtype``)."""
     if dtype in (torch.bfloat16, torch.float16):
         grid = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
     else:
@@ -44,7 +53,8 @@ def sweep_inputs(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
         bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
         grid = torch.cat([bf16.to(dtype), extra])
     x = grid.to(torch.float64)
-    return x[torch.isfinite(x)]
+    special = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=torch.float64)
+    return torch.cat([x[torch.isfinite(x)], special])
 
 
 def _stats(x: torch.Tensor, y: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype) -> Dict[str, object]:
