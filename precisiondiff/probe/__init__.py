@@ -1,4 +1,6 @@
-"""``precisiondiff.probe``: a numerics card of a device's kernels.
+"""``precisiondiff.probe``: a numerics card of a device's kernels. A stage beside compare and
+bisect: may import runtime (targets), comparators (ULP arithmetic) and errors; never the faces
+(cli, testing), which import it.
 
 Crafted inputs reveal how a device computes: accumulator precision, rounding and extra bits
 (Fasi et al. 2021), summation order (FPRev), input rounding (TF32), casts, subnormals, signed

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..targets import dtype_name, parse_dtype
+from ..runtime.targets import dtype_name, parse_dtype
 from .card import Card
 
 __all__ = ["explain", "summation_depth"]

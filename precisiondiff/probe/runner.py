@@ -11,7 +11,7 @@ import torch
 from .. import __version__
 from ..comparators.ulp import float_format
 from ..errors import PrecisionDiffError
-from ..targets import Target, dtype_name
+from ..runtime.targets import Target, dtype_name
 from . import accumulator, accuracy, determinism, ieee, order
 from .card import Card
 from .kernels import (ALL_FAMILIES, DOT_FAMILIES, ELEMENTWISE, PRODUCT_FAMILIES, ROW_FAMILIES,
@@ -142,7 +142,7 @@ def _meta(target: Target, k: Kernels) -> dict:
         meta["device_name"] = platform.processor() or platform.machine()
     else:
         try:
-            from ..targets import device_module
+            from ..runtime.targets import device_module
             meta["device_name"] = str(device_module(target.device_type).get_device_name())
         except Exception:  # not every backend names its devices
             meta["device_name"] = target.device
