@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precisiondiff.probe import Kernels, probe
+from precisiondiff.probe import Kernels, accumulator, probe
 
 from . import planted  # noqa: F401  (registers the pdprobe_test ops)
 
@@ -41,10 +41,11 @@ def test_14_bit_truncating_accumulator():
 
 
 def test_truncating_accumulator_with_three_extra_bits():
-    card = probe(kernels=device(torch.float32, gemm=OPS.trunc14x3_mm), ops=["gemm"])
-    assert card.get("gemm", "accumulator_bits") == 14
-    assert card.get("gemm", "rounding") == "toward-zero"
-    assert card.get("gemm", "extra_bits") == 3
+    k = device(torch.float32, gemm=OPS.trunc14x3_mm)
+    bits, place, _ = accumulator.bits_kept(k, "gemm", accumulator.SHORT)
+    assert bits == 14
+    assert accumulator.rounding(k, "gemm", bits, place)[0] == "toward-zero"
+    assert accumulator.extra_bits(k, "gemm", bits, place)[0] == 3
 
 
 def test_tf32_inputs():
