@@ -12,6 +12,7 @@ CONTRACT = {
     "compare": ["--format", "-o"],
     "report": ["-o"],
     "bisect": ["--target", "--ref", "--format", "-o", "--workload"],
+    "probe": ["--target", "--ops", "--format", "-o", "--diff"],
 }
 
 

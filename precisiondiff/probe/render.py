@@ -101,7 +101,7 @@ def render_diff_table(a: Card, b: Card, *, only_differences: bool = False) -> st
     count = sum(1 for r in diff_rows(a, b) if r[4])
     head = [f"A: {_header(a)}", f"B: {_header(b)}",
             f"{count} propert{'y differs' if count == 1 else 'ies differ'}"]
-    return "\n".join(head + _table(rows, ("", "op", "property", "A", "B"))) + "\n"
+    return "\n".join(head + (_table(rows, ("", "op", "property", "A", "B")) if rows else [])) + "\n"
 
 
 def render_diff_html(a: Card, b: Card) -> str:
