@@ -16,7 +16,7 @@
 """
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import List, Tuple
 
 import torch
 

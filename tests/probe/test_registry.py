@@ -59,3 +59,11 @@ def test_registration_errors_are_one_line(registered):
     with pytest.raises(PrecisionDiffError, match="unknown op 'nope' in --ops"):
         probe("cpu/bf16", ["nope"])
     assert "x" not in registered_ops()
+
+
+def test_conv_backward_kernels_come_from_conv():
+    from precisiondiff.probe import Kernels
+    with pytest.raises(PrecisionDiffError, match="conv_bwd_input is measured through conv's autograd"):
+        Kernels.stock("cpu", torch.float32).replace(conv_bwd_input=torch.nn.functional.conv1d)
+    with pytest.raises(PrecisionDiffError, match="unknown op family 'conv_bwd_weight'"):
+        register_op("my_conv_bwd", "conv_bwd_weight", torch.nn.functional.conv1d)

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from precisiondiff.probe import Kernels, probe
