@@ -15,7 +15,13 @@ def round_bits(x: torch.Tensor, bits: int, mode: str = "nearest-even") -> torch.
     """Round float64 values to ``bits`` significand bits (unbounded exponent)."""
     m, e = torch.frexp(x)
     scaled = torch.ldexp(m, torch.full_like(e, bits))
-    scaled = torch.round(scaled) if mode == "nearest-even" else torch.trunc(scaled)
+    if mode == "nearest-even":
+        scaled = torch.round(scaled)
+    elif mode == "stochastic":  # up with probability equal to the discarded fraction
+        low = torch.floor(scaled)
+        scaled = low + (torch.rand(scaled.shape, dtype=torch.float64) < scaled - low)
+    else:
+        scaled = torch.trunc(scaled)
     return torch.ldexp(scaled, e - bits)
 
 
@@ -57,6 +63,12 @@ def trunc14_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def trunc14x3_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """A 14-bit truncating accumulator that keeps 3 bits of an addend below its last place."""
     return accumulate(_mm_terms(a, b), 14, "toward-zero", extra=3).to(a.dtype)
+
+
+@torch.library.custom_op(f"{NS}::stochastic12_mm", mutates_args=())
+def stochastic12_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A GEMM with a 12-bit accumulator rounded stochastically after each add."""
+    return accumulate(_mm_terms(a, b), 12, "stochastic").to(a.dtype)
 
 
 @torch.library.custom_op(f"{NS}::tf32_mm", mutates_args=())

@@ -48,6 +48,15 @@ def test_truncating_accumulator_with_three_extra_bits():
     assert accumulator.extra_bits(k, "gemm", bits, place)[0] == 3
 
 
+def test_stochastic_rounding():
+    k = device(torch.float32, gemm=OPS.stochastic12_mm)
+    bits, place, _ = accumulator.bits_kept(k, "gemm", accumulator.SHORT)
+    assert bits == 12  # below 12 bits nothing is rounded; from 12 on t never comes back exact
+    mode, evidence = accumulator.rounding(k, "gemm", bits, place)
+    assert mode == "stochastic"
+    assert "rounded away from zero in" in evidence
+
+
 def test_tf32_inputs():
     card = probe(kernels=device(torch.float32, gemm=OPS.tf32_mm), ops=["gemm"])
     assert card.get("gemm", "input_bits") == 11
