@@ -26,7 +26,7 @@ from .kernels import Kernels, dot
 __all__ = ["cast_rounding", "cast_overflow", "cast_subnormals", "subnormals", "signed_zero",
            "sum_of_negative_zeros", "nan_payload", "cast_targets"]
 
-_INT = {2: torch.int16, 4: torch.int32, 1: torch.int8}
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def cast_targets(dtype: torch.dtype) -> List[torch.dtype]:
