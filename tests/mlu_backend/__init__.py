@@ -26,7 +26,7 @@ from typing import Dict, Iterable, Iterator, Optional
 import torch
 
 __all__ = ["build", "register", "set_unimplemented", "unimplemented", "plant", "planted",
-           "fallback_counts", "reset_fallback_counts", "DEFAULT_UNIMPLEMENTED", "BUILD_DIR"]
+           "fallback_counts", "reset_fallback_counts", "to_host_traffic", "active", "DEFAULT_UNIMPLEMENTED", "BUILD_DIR"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -143,6 +143,18 @@ def fallback_counts() -> Dict[str, int]:
 
 def reset_fallback_counts() -> None:
     torch.ops.mlu_standin.reset_fallback_counts()
+
+
+def to_host_traffic() -> "tuple[int, int]":
+    """(bytes, copies) read back from the device to the host so far (CPU-fallback copies excluded)."""
+    nbytes, copies = torch.ops.mlu_standin.to_host_traffic()
+    return int(nbytes), int(copies)
+
+
+def active() -> bool:
+    """Whether ``torch.mlu`` is this stand-in (not torch_mlu, not nothing)."""
+    from . import device
+    return getattr(torch, "mlu", None) is device
 
 
 def _from_env() -> None:

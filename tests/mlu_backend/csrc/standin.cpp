@@ -37,6 +37,7 @@ namespace {
 constexpr c10::DeviceType kMlu = c10::DeviceType::PrivateUse1;
 std::atomic<int> g_device_count{2};
 thread_local c10::DeviceIndex t_current = 0;
+thread_local bool t_in_fallback = false;  // copies made by the CPU fallback are not read-backs
 
 // ---- memory -----------------------------------------------------------------------------
 
@@ -150,6 +151,8 @@ std::atomic<int64_t> g_gemm_chunk{0};     // > 0: bf16 GEMMs accumulate in bf16 
 std::atomic<bool> g_truncate_cast{false};  // fp32 -> bf16 on the device rounds toward zero
 std::atomic<bool> g_ftz{false};            // device kernels flush subnormal results to zero
 std::atomic<bool> g_fallback_warn{false};  // the CPU fallback says so (torch_mlu is silent by default)
+std::atomic<int64_t> g_to_host_bytes{0};  // bytes copied from the device to the host
+std::atomic<int64_t> g_to_host_copies{0};
 std::mutex g_count_mutex;
 std::map<std::string, int64_t> g_fallback_counts;
 
@@ -170,6 +173,7 @@ at::Tensor host_alias(const at::Tensor& t) {
 bool is_device(const at::Tensor& t) { return t.defined() && t.device().type() == kMlu; }
 
 at::Tensor to_device_like(const at::Tensor& host, c10::DeviceIndex index) {
+  c10::DeviceGuard guard(c10::Device(kMlu, index));
   auto out = at::detail::empty_strided_generic(host.sizes(), host.strides(), &g_device_alloc,
                                                c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                                host.scalar_type());
@@ -312,7 +316,14 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (g_fallback_warn.load())
     TORCH_WARN("mlu stand-in: the operator '", key, "' is not implemented on the device and falls back to the CPU");
-  at::native::cpu_fallback(op, stack);
+  t_in_fallback = true;
+  try {
+    at::native::cpu_fallback(op, stack);
+  } catch (...) {
+    t_in_fallback = false;
+    throw;
+  }
+  t_in_fallback = false;
 }
 
 // ---- kernels the device implements itself -----------------------------------------------
@@ -343,6 +354,10 @@ at::Tensor truncate_to_bf16(const at::Tensor& f32) {
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+  if (is_device(self) && !is_device(dst) && !t_in_fallback) {
+    g_to_host_bytes += static_cast<int64_t>(dst.numel() * dst.element_size());
+    ++g_to_host_copies;
+  }
   auto src = host_view(self);
   auto out = host_view(dst);
   if (g_truncate_cast.load() && is_device(self) && is_device(dst) && self.scalar_type() == at::kFloat &&
@@ -360,7 +375,10 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
-at::Scalar local_scalar_dense(const at::Tensor& self) { return at::_local_scalar_dense(host_alias(self)); }
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  g_to_host_bytes += static_cast<int64_t>(self.element_size());
+  ++g_to_host_copies;
+  return at::_local_scalar_dense(host_alias(self)); }
 
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::optional<at::MemoryFormat> fmt) {
   return at::native::resize_(self, size, fmt);
@@ -476,12 +494,16 @@ void reset_fallback_counts() {
 
 int64_t memory_allocated() { return g_allocated.load(); }
 
+// (bytes, copies) read back from the device to the host so far, CPU-fallback traffic excluded
+std::vector<int64_t> to_host_traffic() { return {g_to_host_bytes.load(), g_to_host_copies.load()}; }
+
 TORCH_LIBRARY(mlu_standin, m) {
   m.def("implement(str[] names) -> int", implement);
   m.def("configure(int gemm_chunk, bool truncate_cast, bool ftz, bool fallback_warn) -> ()", configure);
   m.def("fallback_ops() -> str[]", fallback_ops);
   m.def("reset_fallback_counts() -> ()", reset_fallback_counts);
   m.def("memory_allocated() -> int", memory_allocated);
+  m.def("to_host_traffic() -> int[]", to_host_traffic);
 }
 
 }  // namespace
