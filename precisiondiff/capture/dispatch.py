@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .ran_on import ran_on
 from .serialize import encode_args, flatten_tensors, is_replayable
 
 if TYPE_CHECKING:
@@ -95,5 +96,7 @@ class OpCaptureMode(TorchDispatchMode):
             encoded = {"args": encode_args(list(args), lambda t: rec.slot_of(event, t)),
                        "kwargs": encode_args(dict(kwargs), lambda t: rec.slot_of(event, t))}
             encoded["replayable"] = is_replayable(encoded)
+        if event.device is not None and event.device != "cpu":
+            event.device = ran_on(func, event.device)  # "cpu": the backend's CPU fallback ran it
         rec.finish(event, args=encoded)
         return out

@@ -58,8 +58,13 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
                          no_wrap=col not in ("scope", "name"), overflow="fold")
     shown = events = tensors = stored = 0
     target_device = str(meta.get("target", "")).split("/")[0]
+    fallbacks: dict = {}  # op name -> events that ran on another device than the target's
     for ev in dump.events():
         events += 1
+        moved = bool(target_device) and target_device not in ("script", "?") and bool(ev.device) and \
+            ev.device.split(":")[0] != target_device.split(":")[0]
+        if moved:
+            fallbacks[ev.name] = fallbacks.get(ev.name, 0) + 1
         tensors += len(ev.tensors)
         stored += sum(_nbytes(t.dtype, list(t.shape)) for t in ev.tensors if t.has_data and t.data_key == t.key)
         if (kind and ev.kind != kind) or (direction and ev.direction != direction) or \
@@ -67,9 +72,7 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
                 (step is not None and ev.step != step) or (limit is not None and shown >= limit):
             continue
         shown += 1
-        device = ev.device or "-"
-        if target_device and target_device not in ("script", "?") and device.split(":")[0] != target_device.split(":")[0]:
-            device = f"[red]{device}[/]"  # an op that fell back to another device
+        device = f"[red]{ev.device} (fallback)[/]" if moved else (ev.device or "-")
         for i, t in enumerate(ev.tensors):
             s = t.stats or {}
             bad = (s.get("nan") or 0) + (s.get("inf") or 0)
@@ -82,4 +85,8 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
                           format_number(s.get("norm")), f"[red]{naninf}[/]" if bad else naninf, data)
     console.print(table)
     console.print(f"{shown} of {events} events shown, {tensors} tensors, {format_bytes(stored)} of tensor data")
+    if fallbacks:
+        names = ", ".join(f"{name} x{n}" for name, n in sorted(fallbacks.items()))
+        console.print(f"[red]{sum(fallbacks.values())} events ran off the {target_device} device[/] (an op the "
+                      f"device has no kernel for runs through its backend's CPU fallback): {names}")
     return shown

@@ -8,6 +8,10 @@ inputs are cast to DTYPE; with it they stay float32 and the forward runs under
 All accelerators (MLU, CUDA, anything registered as a PyTorch backend) share one code path:
 the device module comes from ``torch.get_device_module`` where it exists, else
 ``getattr(torch, device_type)``, so MLU software stacks that trail upstream still work.
+
+An out-of-tree device is found, in order: a device module already registered under its name
+(``torch.mlu`` from torch_mlu or any PrivateUse1 backend renamed ``mlu``); the modules named in
+``PRECISIONDIFF_IMPORT`` (comma-separated), imported first; for ``mlu``, ``import torch_mlu``.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ import contextlib
 import copy
 import importlib
 import importlib.util
+import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -31,6 +37,7 @@ __all__ = [
     "default_dut",
     "default_ref",
     "move_inputs",
+    "import_backends",
 ]
 
 # Short dtype names accepted on the command line, and the canonical spelling we print.
@@ -42,6 +49,8 @@ _CANONICAL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 
 _DEVICE_RE = re.compile(r"^([a-z_][a-z0-9_]*)(?::(\d+))?$")
 _OUT_OF_TREE = {"mlu", "npu", "hpu", "musa", "gcu", "dcu"}
+
+IMPORT_ENV = "PRECISIONDIFF_IMPORT"
 
 MLU_INSTALL_HINT = ("torch_mlu is not installed: install Cambricon's PyTorch and torch_mlu "
                     "wheels for your Neuware/CNToolkit release (see docs/mlu.md), then retry")
@@ -72,9 +81,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _CANONICAL.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def import_backends() -> None:
+    """Import the modules named in ``PRECISIONDIFF_IMPORT`` (comma-separated), each once.
+
+    For device backends that register themselves on import (a PrivateUse1 backend renamed
+    ``mlu``, say) when nothing imports them in the user's own code.
+
+    Raises:
+        TargetError: a module cannot be imported.
+    """
+    for name in filter(None, (part.strip() for part in os.environ.get(IMPORT_ENV, "").split(","))):
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # any failure of a backend's import is a setup problem to fix
+            raise TargetError(f"{IMPORT_ENV}: cannot import {name!r} ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); set {IMPORT_ENV} to "
+                              "the module that registers your device backend") from err
+
+
+def _registered(device_type: str) -> bool:
+    """Whether a device module is registered under the name (by torch_mlu or any PrivateUse1 backend)."""
+    return getattr(torch, device_type, None) is not None
+
+
 def _import_backend(device_type: str) -> None:
     """Import the out-of-tree backend a device type needs (torch_mlu for ``mlu``)."""
-    if device_type == "mlu" and not hasattr(torch, "mlu"):
+    import_backends()
+    if device_type == "mlu" and not _registered("mlu"):
         try:
             importlib.import_module("torch_mlu")
         except ImportError as err:
@@ -230,7 +265,8 @@ def move_inputs(value: Any, device: "str | torch.device", dtype: "torch.dtype | 
 
 def default_dut() -> Target:
     """The first available of mlu, cuda, cpu, in bf16."""
-    if importlib.util.find_spec("torch_mlu") is not None or hasattr(torch, "mlu"):
+    import_backends()
+    if importlib.util.find_spec("torch_mlu") is not None or _registered("mlu"):
         candidate = Target("mlu", torch.bfloat16)
         if candidate.is_available():
             return candidate

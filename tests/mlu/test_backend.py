@@ -149,3 +149,15 @@ def test_read_back_traffic_is_counted(standin):
     torch.ones(1, device="mlu").item()
     nbytes, copies = standin.to_host_traffic()
     assert (nbytes - before[0], copies - before[1]) == (404, 2)
+
+
+def test_capture_asks_the_dispatcher_where_an_op_ran(standin):
+    from precisiondiff.capture.ran_on import ran_on
+
+    aten = torch.ops.aten
+    assert ran_on(aten.gelu.default, "mlu:0") == "cpu"  # structured: runs through gelu.out, a fallback
+    assert ran_on(aten.gelu_backward.default, "mlu:0") == "cpu"
+    assert ran_on(aten.addmm.default, "mlu:0") == "mlu:0"
+    assert ran_on(aten._to_copy.default, "mlu:0") == "mlu:0"  # composite: its parts run on the device
+    standin.set_unimplemented(["aten::relu"])
+    assert (ran_on(aten.relu.default, "mlu:1"), ran_on(aten.gelu.default, "mlu:1")) == ("cpu", "mlu:1")

@@ -11,7 +11,7 @@ import torch
 EXAMPLE = {EXAMPLE!r}
 
 def test_model(parity):
-    r = parity.check(EXAMPLE + ":build", direction="forward")
+    r = parity.check(EXAMPLE + ":build", kernels=True, direction="forward")
     assert r.passed
 
 def test_op(parity):
