@@ -1,3 +1,4 @@
+import sys
 import types
 
 import pytest
@@ -86,6 +87,37 @@ def test_mlu_without_torch_mlu_says_how_to_install(monkeypatch):
     with pytest.raises(TargetError, match="torch_mlu is not installed.*install"):
         Target.parse("mlu/bf16").check_available()
     assert not Target.parse("mlu/bf16").is_available()
+
+
+def test_precisiondiff_import_that_fails_is_a_one_line_target_error(monkeypatch):
+    monkeypatch.delattr(torch, "mlu", raising=False)
+    monkeypatch.setenv("PRECISIONDIFF_IMPORT", "precisiondiff_no_such_backend")
+    with pytest.raises(TargetError, match=r"PRECISIONDIFF_IMPORT: cannot import 'precisiondiff_no_such_backend' "
+                                          r"\(ModuleNotFoundError: .*\); set PRECISIONDIFF_IMPORT to the module"):
+        Target.parse("mlu/bf16").check_available()
+
+
+def test_precisiondiff_import_runs_before_torch_mlu_is_tried(monkeypatch):
+    """The named module registers ``torch.mlu`` (as a PrivateUse1 backend would); torch_mlu is never imported."""
+    monkeypatch.delattr(torch, "mlu", raising=False)
+    module = types.ModuleType("pd_fake_backend")
+    device = _StandInDevice(is_available=lambda: True, device_count=lambda: 1)
+    tried = []
+    real_import = targets.importlib.import_module
+
+    def fake_import(name, *a, **k):
+        tried.append(name)
+        if name == "pd_fake_backend":
+            monkeypatch.setattr(torch, "mlu", device, raising=False)
+            return module
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(targets.importlib, "import_module", fake_import)
+    monkeypatch.setattr(torch, "get_device_module", lambda name: getattr(torch, name))
+    monkeypatch.setenv("PRECISIONDIFF_IMPORT", "pd_fake_backend")
+    monkeypatch.delitem(sys.modules, "pd_fake_backend", raising=False)
+    Target.parse("mlu/bf16").check_available()
+    assert tried == ["pd_fake_backend"]
 
 
 class _StandInDevice(types.SimpleNamespace):
