@@ -24,6 +24,14 @@ _SECONDS = pytest.StashKey[float]()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
+    return _line(config)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    terminalreporter.write_line(_line(config))
+
+
+def _line(config: pytest.Config) -> str:
     from . import BUILD_DIR
 
     return f"mlu stand-in: built or loaded in {config.stash[_SECONDS]:.1f} s ({BUILD_DIR})"
