@@ -32,23 +32,34 @@ def _bytes(dump) -> int:
     return sum(math.prod(t.shape) * getattr(torch, t.dtype).itemsize for e in dump.events() for t in e.tensors)
 
 
-def test_stats_capture_computes_on_the_device_and_reads_back_only_summaries(standin, tmp_path):
-    before = standin.to_host_traffic()
-    code, out = pd("capture", EXAMPLE, "--target", "mlu/bf16", "-o", str(tmp_path / "d"), "--mode", "stats")
-    nbytes, copies = (a - b for a, b in zip(standin.to_host_traffic(), before))
+@pytest.fixture(scope="module")
+def stats_dump(tmp_path_factory):
+    """A stats capture of the example on ``mlu/bf16``, and the bytes and copies it read back."""
+    import tests.mlu_backend as backend
+
+    if not backend.active():
+        pytest.skip("read-back traffic is counted by the stand-in")
+    backend.set_unimplemented(backend.DEFAULT_UNIMPLEMENTED)
+    out_dir = str(tmp_path_factory.mktemp("stats") / "d")
+    before = backend.to_host_traffic()
+    code, out = pd("capture", EXAMPLE, "--target", "mlu/bf16", "-o", out_dir, "--mode", "stats")
+    traffic = tuple(a - b for a, b in zip(backend.to_host_traffic(), before))
     assert code == 0, out
     assert "on mlu/bf16 (all/stats" in out
-    dump = precisiondiff.load(str(tmp_path / "d"))
+    return out_dir, traffic
+
+
+def test_stats_capture_computes_on_the_device_and_reads_back_only_summaries(stats_dump):
+    out_dir, (nbytes, copies) = stats_dump
+    dump = precisiondiff.load(out_dir)
     assert dump.meta["target"] == "mlu/bf16"
-    events = list(dump.events())
-    assert {e.device for e in events if e.name == "aten.addmm.default"} == {"mlu:0"}
+    assert {e.device for e in dump.events() if e.name == "aten.addmm.default"} == {"mlu:0"}
     # a few batched read-backs of statistics, not the tensors (3.7 MB of them)
     assert nbytes < _bytes(dump) / 50 and copies < 20, (nbytes, copies, _bytes(dump))
 
 
-def test_ops_the_device_lacks_are_recorded_as_run_on_the_cpu_and_ls_marks_them(standin, tmp_path):
-    out_dir = str(tmp_path / "d")
-    assert pd("capture", EXAMPLE, "--target", "mlu/bf16", "-o", out_dir, "--mode", "stats")[0] == 0
+def test_ops_the_device_lacks_are_recorded_as_run_on_the_cpu_and_ls_marks_them(stats_dump):
+    out_dir, _ = stats_dump
     devices = {(e.name, e.device) for e in precisiondiff.load(out_dir).events() if e.kind == "op"}
     assert ("aten.gelu.default", "cpu") in devices and ("aten.gelu_backward.default", "cpu") in devices
     assert ("aten.addmm.default", "mlu:0") in devices
@@ -56,7 +67,7 @@ def test_ops_the_device_lacks_are_recorded_as_run_on_the_cpu_and_ls_marks_them(s
     assert code == 0
     rows = [line for line in listing.splitlines() if line.startswith("│") and ("aten.gelu" in line or "aten.addmm" in line)]
     assert rows and all(("cpu (fallback)" in r) == ("gelu" in r) for r in rows), "\n".join(rows)
-    assert "CPU fallback" in listing and "aten.gelu.default" in listing.split("CPU fallback")[1]
+    assert "CPU fallback" in listing and "aten.gelu.default x2" in listing.split("CPU fallback")[1]
 
 
 @pytest.mark.parametrize("mode", ["tensors", "replay"])
@@ -109,7 +120,7 @@ def test_bisect_under_autocast_on_the_device(standin):
     assert result["verdict"] == "kernel" and result["culprit"]["name"] in ("aten.addmm.default", "aten.mm.default")
 
 
-def test_a_user_process_gets_the_device_from_precisiondiff_import(tmp_path):
+def test_a_user_process_gets_the_device_from_precisiondiff_import():
     env = {**os.environ, "PYTHONPATH": ROOT, "PRECISIONDIFF_IMPORT": "tests.mlu_backend.load",
            "MLU_STANDIN_PLANT": "gemm_chunk=1"}
     proc = subprocess.run([sys.executable, "-m", "precisiondiff.cli", "bisect", EXAMPLE, "--target", "mlu/bf16"],
@@ -117,8 +128,3 @@ def test_a_user_process_gets_the_device_from_precisiondiff_import(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "bisect mlu/bf16 vs cpu/float64: KERNEL" in proc.stdout
     assert "culprit: op aten.addmm.default in blocks.0.attn.qkv (forward, call 0)" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "precisiondiff.cli", "capture", EXAMPLE, "--target", "mlu/bf16",
-                          "-o", str(tmp_path / "x")], capture_output=True, text=True, cwd=ROOT,
-                         env={**env, "PRECISIONDIFF_IMPORT": "tests.no_such_backend"}, timeout=300)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "PRECISIONDIFF_IMPORT" in bad.stderr and "tests.no_such_backend" in bad.stderr
