@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 
 def test_mlu_suite_runs_on_the_standin_accelerator(capsys):
