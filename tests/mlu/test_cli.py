@@ -128,3 +128,16 @@ def test_a_user_process_gets_the_device_from_precisiondiff_import():
     assert proc.returncode == 1, proc.stderr
     assert "bisect mlu/bf16 vs cpu/float64: KERNEL" in proc.stdout
     assert "culprit: op aten.addmm.default in blocks.0.attn.qkv (forward, call 0)" in proc.stdout
+
+
+def test_a_replay_dump_from_the_device_bisects_on_a_machine_without_it(standin, tmp_path):
+    standin.plant(gemm_chunk=1)
+    dump = str(tmp_path / "mlu")
+    assert pd("capture", EXAMPLE, "--target", "mlu/bf16", "-o", dump, "--mode", "replay")[0] == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRECISIONDIFF_IMPORT", "MLU_STANDIN"))}
+    proc = subprocess.run([sys.executable, "-m", "precisiondiff.cli", "bisect", dump, "--workload", EXAMPLE,
+                           "--format", "json"], capture_output=True, text=True, cwd=ROOT,
+                          env={**env, "PYTHONPATH": ROOT}, timeout=300)
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 1 and result["dut"] == "mlu/bf16" and result["verdict"] == "kernel", proc.stderr
+    assert (result["culprit"]["name"], result["culprit"]["scope"]) == ("aten.addmm.default", "blocks.0.attn.qkv")

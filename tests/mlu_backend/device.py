@@ -11,9 +11,6 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
-_DEVICE_COUNT = 2
-
-
 def is_available() -> bool:
     """Always true: the stand-in's memory is host memory."""
     return True
@@ -32,7 +29,8 @@ def _lazy_init() -> None:
 
 
 def device_count() -> int:
-    return _DEVICE_COUNT
+    """The C++ side's device count (the one its device guard reports)."""
+    return int(torch.ops.mlu_standin.device_count())
 
 
 def current_device() -> int:
@@ -121,7 +119,7 @@ def set_rng_state(new_state: torch.Tensor, device: Any = "mlu") -> None:
 
 
 def get_rng_state_all() -> List[torch.Tensor]:
-    return [get_rng_state() for _ in range(_DEVICE_COUNT)]
+    return [get_rng_state() for _ in range(device_count())]
 
 
 def set_rng_state_all(states: List[torch.Tensor]) -> None:

@@ -494,6 +494,8 @@ void reset_fallback_counts() {
 
 int64_t memory_allocated() { return g_allocated.load(); }
 
+int64_t device_count() { return g_device_count.load(); }
+
 // (bytes, copies) read back from the device to the host so far, CPU-fallback traffic excluded
 std::vector<int64_t> to_host_traffic() { return {g_to_host_bytes.load(), g_to_host_copies.load()}; }
 
@@ -503,6 +505,7 @@ TORCH_LIBRARY(mlu_standin, m) {
   m.def("fallback_ops() -> str[]", fallback_ops);
   m.def("reset_fallback_counts() -> ()", reset_fallback_counts);
   m.def("memory_allocated() -> int", memory_allocated);
+  m.def("device_count() -> int", device_count);
   m.def("to_host_traffic() -> int[]", to_host_traffic);
 }
 
