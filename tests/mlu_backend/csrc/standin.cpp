@@ -196,8 +196,8 @@ void flush_subnormals(const at::Tensor& host) {
   host.masked_fill_(abs.lt(tiny).logical_and_(abs.ne(0)), 0);
 }
 
-// Stack rewriting shared by the device kernel: device tensors become host aliases, device
-// arguments become the CPU. Returns the original device tensors by argument index.
+// Stack rewriting for the device kernel: device tensors become host aliases, device arguments
+// become the CPU. Keeps the original device tensors by argument index.
 struct Unwrapped {
   std::map<size_t, at::Tensor> tensors;          // argument index -> device tensor
   std::map<size_t, std::vector<at::Tensor>> lists;
@@ -265,8 +265,8 @@ at::Tensor wrap_output(const at::Tensor& out, const c10::Argument& ret, const c1
       const auto* info = schema.arguments()[i].alias_info();
       if (info == nullptr || info->beforeSets() != sets) continue;
       if (info->isWrite()) {  // in-place or out=: the device tensor itself
-        sync_resized(device, out);
         if (ftz) flush_subnormals(out);
+        sync_resized(device, out);
         return device;
       }
       return at::native::as_strided_tensorimpl(device, out.sizes(), out.strides(), out.storage_offset());
