@@ -77,6 +77,6 @@ def ran_on(func: Any, device: str) -> str:
     name = func.name() if hasattr(func, "name") else str(func)
     try:
         fell_back = _falls_back(name, key)
-    except (RuntimeError, AttributeError):  # not a dispatcher op: it ran where its outputs are
-        fell_back = False
+    except Exception:  # not a dispatcher op (a higher-order op, say): it ran where its outputs are;
+        fell_back = False  # and capture never raises into the user's workload
     return "cpu" if fell_back else device
