@@ -120,7 +120,7 @@ def test_bisect_under_autocast_on_the_device(standin):
     assert result["verdict"] == "kernel" and result["culprit"]["name"] in ("aten.addmm.default", "aten.mm.default")
 
 
-def test_a_user_process_gets_the_device_from_precisiondiff_import():
+def test_a_user_process_gets_the_device_from_precisiondiff_import(standin):
     env = {**os.environ, "PYTHONPATH": ROOT, "PRECISIONDIFF_IMPORT": "tests.mlu_backend.load",
            "MLU_STANDIN_PLANT": "gemm_chunk=1"}
     proc = subprocess.run([sys.executable, "-m", "precisiondiff.cli", "bisect", EXAMPLE, "--target", "mlu/bf16"],
