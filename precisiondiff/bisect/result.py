@@ -91,6 +91,12 @@ class BisectResult:
             out["noise"] = self.noise
         return _clean(out)
 
+    def to_pandas(self) -> Any:
+        """The culprit, candidates, path and growth units as a ``pandas.DataFrame``, one row per
+        unit (optional extra ``pandas``; see :func:`precisiondiff.report.frames.bisect_frame`)."""
+        from ..report.frames import bisect_frame  # the one call-time import of report/
+        return bisect_frame(self)
+
     def dumps(self) -> str:
         """``to_json()`` as indented text."""
         return json.dumps(self.to_json(), indent=2)

@@ -141,6 +141,12 @@ class Comparison:
         """Serialize :meth:`to_dict` as standard JSON (NaN/inf spelled as strings)."""
         return json.dumps(self.to_dict(rows), indent=indent, allow_nan=False)
 
+    def to_pandas(self) -> Any:
+        """One row per compared tensor, one column per metric, as a ``pandas.DataFrame``
+        (optional extra ``pandas``; see :func:`precisiondiff.report.frames.comparison_frame`)."""
+        from ..report.frames import comparison_frame  # the one call-time import of report/
+        return comparison_frame(self)
+
 
 def _sort_value(v: Optional[float]) -> float:
     if v is None:

@@ -84,7 +84,8 @@ def _load_module(module_part: str) -> Any:
 
 
 def load_workload(spec: "str | Callable[[], Any] | Workload", *, seed: int = 0) -> Workload:
-    """Seed every RNG, then build the workload from ``file.py:fn`` or ``package.module:fn``.
+    """Seed every RNG, then build the workload from ``file.py:fn``, ``package.module:fn`` or
+    ``hf:PATH`` (a transformers checkpoint or config, see :mod:`precisiondiff.runtime.hf`).
 
     Args:
         spec: the spec string, a factory callable, or a ready :class:`Workload`.
@@ -102,7 +103,11 @@ def load_workload(spec: "str | Callable[[], Any] | Workload", *, seed: int = 0) 
     if isinstance(spec, Workload):
         return spec
     label = getattr(spec, "__name__", "workload")
-    if isinstance(spec, str):
+    if isinstance(spec, str) and spec.startswith("hf:"):
+        from .hf import hf_workload  # transformers only when an hf: workload is asked for
+        path = spec[3:]
+        factory, label = (lambda: hf_workload(path, seed=seed)), spec
+    elif isinstance(spec, str):
         module_part, sep, fn_name = spec.rpartition(":")
         if not sep or not module_part or not fn_name:
             raise WorkloadError(f"workload {spec!r} must be path/to/file.py:fn or package.module:fn")
@@ -120,6 +125,8 @@ def load_workload(spec: "str | Callable[[], Any] | Workload", *, seed: int = 0) 
     seed_everything(seed)
     try:
         built = factory()
+    except PrecisionDiffError:  # already a one-line message for the user (hf: workloads)
+        raise
     except TypeError as err:
         raise WorkloadError(f"{label}() failed: {err} (the function must take no required argument)") from err
     except Exception as err:

@@ -315,6 +315,13 @@ class Dump:
         ds = self._h5[h5_dataset_name(data_key)]
         return from_numpy(ds[()], str(ds.attrs["dtype"]))
 
+    def to_pandas(self, *, kind: Optional[str] = None, direction: Optional[str] = None,
+                  step: Optional[int] = None) -> Any:
+        """Events and statistics as a ``pandas.DataFrame``, one row per tensor (optional extra
+        ``pandas``; see :func:`precisiondiff.report.frames.dump_frame`)."""
+        from ..report.frames import dump_frame  # the one call-time import of report/
+        return dump_frame(self, kind=kind, direction=direction, step=step)
+
     def close(self) -> None:
         """Release open shard handles (they are reopened on demand)."""
         for d in self.ranks.values():
