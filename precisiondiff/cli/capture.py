@@ -23,7 +23,7 @@ __all__ = ["capture", "refuse_workload_with_script"]
 @click.option("--overwrite", is_flag=True, help="replace an existing dump in OUT")
 def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, op, op_exclude,
             steps, ranks, script, views, train, repeat, overwrite) -> None:
-    """Capture a workload (path/file.py:fn or package.module:fn) or a script into a dump."""
+    """Capture a workload (path/file.py:fn, package.module:fn or hf:PATH) or a script into a dump."""
     from ..capture.runner import capture_script, capture_workload
     filters = dict(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
                    ranks=ranks, views=views)
