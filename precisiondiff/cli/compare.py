@@ -37,6 +37,27 @@ def _filters(fn: Callable) -> Callable:
     return fn
 
 
+_INTEGRATIONS = [
+    click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False), default=None,
+                 help="also write per-layer error over training steps (scalars) and ULP histograms "
+                      "as TensorBoard event files to DIR"),
+    click.option("--model-explorer", "explorer_out", type=click.Path(dir_okay=False), default=None,
+                 help="also write a Model Explorer node-data overlay (per-node error) to FILE.json, "
+                      "and the exported graph beside it (FILE.graph.json)"),
+    click.option("--workload", default=None,
+                 help="with --model-explorer: the workload whose model is exported "
+                      "(default: the one recorded in A's meta.json)"),
+    click.option("--bisect", "bisect_json", type=click.Path(dir_okay=False), default=None,
+                 help="with --model-explorer: a bisect JSON (bisect --format json -o FILE) whose culprit is marked"),
+]
+
+
+def _integration_options(fn: Callable) -> Callable:
+    for opt in reversed(_INTEGRATIONS):
+        fn = opt(fn)
+    return fn
+
+
 def _stderr_progress(enabled: bool):
     """A ``progress(done, total)`` callback that shows a rich bar once a second has passed."""
     if not enabled or not sys.stderr.isatty():
@@ -134,16 +155,41 @@ def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, 
 @click.command()
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="the HTML file")
+@click.option("-o", "--out", default=None, type=click.Path(dir_okay=False), help="the HTML file")
 @click.option("--worst", type=click.IntRange(min=0), default=6, show_default=True, help="ULP histograms of the N worst tensors")
 @_filters
+@_integration_options
 @click.pass_context
-def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, noise, rel_l2, progress) -> None:
-    """Write a self-contained HTML report of the comparison of A (DUT) with B (reference)."""
-    from ..report.html import render_html
+def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, noise, rel_l2, progress,
+           tensorboard_dir, explorer_out, workload, bisect_json) -> None:
+    """Write a self-contained HTML report of the comparison of A (DUT) with B (reference),
+    and/or TensorBoard event files (--tensorboard) and a Model Explorer overlay (--model-explorer)."""
+    if out is None and tensorboard_dir is None and explorer_out is None:
+        raise click.UsageError("report needs -o FILE.html, --tensorboard DIR or --model-explorer FILE.json")
     c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, rel_l2, progress)
-    _write(render_html(c, worst=worst, device=device), out)
+    if out is not None:
+        from ..report.html import render_html
+        _write(render_html(c, worst=worst, device=device), out)
+    _write_integrations(c, tensorboard_dir, explorer_out, workload, bisect_json)
     ctx.exit(c.exit_code)
+
+
+def _write_integrations(c, tensorboard_dir, explorer_out, workload, bisect_json) -> None:
+    """The --tensorboard and --model-explorer outputs (each in its own report module)."""
+    if (workload or bisect_json) and explorer_out is None:
+        raise PrecisionDiffError("--workload and --bisect go with --model-explorer FILE.json")
+    if tensorboard_dir is not None:
+        from ..report.tensorboard import write_tensorboard
+        n = write_tensorboard(c, tensorboard_dir)
+        click.echo(f"wrote {n['scalars']} scalars and {n['histograms']} ULP histograms of {n['layers']} "
+                   f"layers over {n['steps']} steps to {tensorboard_dir} (tensorboard --logdir {tensorboard_dir})",
+                   err=True)
+    if explorer_out is not None:
+        from ..report.model_explorer import write_overlay
+        written = write_overlay(c, explorer_out, workload=workload, bisect=bisect_json)
+        click.echo(f"wrote {written['overlay']} ({written['nodes']} of {written['graph_nodes']} graph nodes "
+                   f"with an error) and {written['graph']}; view: model-explorer {written['graph']} "
+                   f"--node_data_paths={written['overlay']}", err=True)
 
 
 @click.command()
