@@ -178,10 +178,11 @@ def write_overlay(comparison: Any, out: "str | Path", *, workload: Any = None, b
     """
     ndb, Adapter = _require_explorer()
     from model_explorer.consts import DEFAULT_SETTINGS
-    from model_explorer.utils import convert_adapter_response
+    from model_explorer.utils import convert_adapter_response, remove_none
     culprit = _bisect_culprit(bisect)
+    spec = workload or comparison.meta_a.get("workload")
+    label = spec or "model"
     if ep is None:
-        spec = workload or comparison.meta_a.get("workload")
         if not spec or str(spec).startswith("--script"):
             raise PrecisionDiffError("--model-explorer needs the workload whose model to export: A records "
                                      f"none{' (a captured script)' if spec else ''}; pass --workload FILE.py:fn")
@@ -212,7 +213,9 @@ def write_overlay(comparison: Any, out: "str | Path", *, workload: Any = None, b
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         ndb.ModelNodeData(graphsData={GRAPH_ID: data}).save_to_file(str(out))
-        graph_file.write_text(json.dumps(convert_adapter_response(graphs)), encoding="utf-8")
+        # a GraphCollection ({"label", "graphs"}): the JSON graph format Model Explorer's web app loads
+        collection = {"label": str(label), "graphs": remove_none(convert_adapter_response(graphs))["graphs"]}
+        graph_file.write_text(json.dumps(collection), encoding="utf-8")
     except OSError as err:
         raise PrecisionDiffError(f"cannot write {out}: {err.strerror or err}; choose a writable path") from err
     return {"overlay": str(out), "graph": str(graph_file), "nodes": len(results),
