@@ -24,7 +24,7 @@ def _cell(text: str) -> str:
 
 
 def _command(name: str, command: click.Command, parent: click.Context) -> List[str]:
-    ctx = click.Context(command, info_name=name, parent=parent)
+    ctx = click.Context(command, info_name=name, parent=parent, **command.context_settings)
     pieces = " ".join(command.collect_usage_pieces(ctx))
     lines = [f"## `{ctx.command_path}`", ""]
     help_text = inspect.cleandoc(command.help or "")
@@ -56,7 +56,7 @@ def render(group: "click.Group | None" = None) -> str:
     """
     if group is None:
         from . import cli as group
-    root = click.Context(group, info_name="precisiondiff")
+    root = click.Context(group, info_name="precisiondiff", **group.context_settings)
     lines = ["# Command-line reference", "",
              f"<!-- generated from the click commands: {REGENERATE}; do not edit by hand -->", "",
              inspect.cleandoc(group.help or ""), "",

@@ -31,14 +31,13 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional
 
 import torch
 
 from ..errors import WorkloadError
-from .workload import Workload
 
-__all__ = ["hf_workload", "EXAMPLE_TEXT", "WEIGHT_FILES", "TOKENIZER_FILES"]
+__all__ = ["build_hf", "HFParts", "EXAMPLE_TEXT", "WEIGHT_FILES", "TOKENIZER_FILES"]
 
 PREFIX = "hf:"
 
@@ -150,9 +149,19 @@ def _model_loss(out: Any) -> torch.Tensor:
     return out["loss"] if isinstance(out, dict) else out[0]
 
 
-def hf_workload(source: "str | os.PathLike", *, batch_size: int = 2, seq_len: int = 16, seed: int = 0,
-                attn_implementation: Optional[str] = "eager") -> Workload:
-    """Build a transformers model and its example inputs from local files (no download).
+class HFParts(NamedTuple):
+    """What :func:`build_hf` builds: ``Workload(*parts)`` is the workload."""
+
+    model: torch.nn.Module
+    inputs: Dict[str, torch.Tensor]
+    loss: Callable[[Any], torch.Tensor]
+
+
+def build_hf(source: "str | os.PathLike", *, batch_size: int = 2, seq_len: int = 16, seed: int = 0,
+             attn_implementation: Optional[str] = "eager") -> HFParts:
+    """Build a transformers model, its example inputs and its loss from local files (no download).
+
+    ``load_workload("hf:PATH")`` calls it (seeded) and wraps the parts in a ``Workload``.
 
     Args:
         source: a checkpoint directory, a directory holding only ``config.json``, or a config
@@ -162,14 +171,14 @@ def hf_workload(source: "str | os.PathLike", *, batch_size: int = 2, seq_len: in
         attn_implementation: passed to transformers (``"eager"``, ``"sdpa"``; None: its default).
 
     Returns:
-        A :class:`Workload` on the CPU in float32, with ``input_ids``/``attention_mask`` (and
-        ``labels`` for heads that compute their own loss) and a loss.
+        ``(model, inputs, loss)``: the model on the CPU in float32, ``input_ids`` and
+        ``attention_mask`` (and ``labels`` for heads that compute their own loss), the loss.
 
     Raises:
         WorkloadError: transformers is missing, the path holds no config, or loading fails.
 
     Example:
-        >>> w = hf_workload("checkpoints/tiny-llama")  # doctest: +SKIP
+        >>> model, inputs, loss = build_hf("checkpoints/tiny-llama")  # doctest: +SKIP
     """
     transformers = _require_transformers()
     path = Path(source).expanduser()
@@ -201,4 +210,4 @@ def hf_workload(source: "str | os.PathLike", *, batch_size: int = 2, seq_len: in
             model.config.pad_token_id = 0  # classification pools the last non-pad token
     else:
         loss = _bare_loss
-    return Workload(model, inputs, loss=loss, name=f"{PREFIX}{source}")
+    return HFParts(model, inputs, loss)

@@ -104,9 +104,12 @@ def load_workload(spec: "str | Callable[[], Any] | Workload", *, seed: int = 0) 
         return spec
     label = getattr(spec, "__name__", "workload")
     if isinstance(spec, str) and spec.startswith("hf:"):
-        from .hf import hf_workload  # transformers only when an hf: workload is asked for
         path = spec[3:]
-        factory, label = (lambda: hf_workload(path, seed=seed)), spec
+
+        def factory() -> Workload:
+            from .hf import build_hf  # transformers only when an hf: workload is asked for
+            return Workload(*build_hf(path, seed=seed))
+        label = spec
     elif isinstance(spec, str):
         module_part, sep, fn_name = spec.rpartition(":")
         if not sep or not module_part or not fn_name:
