@@ -12,7 +12,9 @@ from precisiondiff.runtime.workload import load_workload
 
 transformers = pytest.importorskip("transformers")
 
-from tests.conftest import pd_cli  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+from precisiondiff.cli import cli  # noqa: E402
 
 
 def _llama_config(**kw):
@@ -120,15 +122,16 @@ def test_bad_paths_are_one_line_errors(tmp_path, content, message):
         load_workload(f"hf:{path}")
 
 
-def test_capture_and_compare_an_hf_checkpoint_from_the_cli(llama_checkpoint, tmp_path):
-    dut = pd_cli("capture", f"hf:{llama_checkpoint}", "-o", str(tmp_path / "dut"), "--level", "module")
-    assert dut.returncode == 0, dut.stderr
+def test_capture_an_hf_checkpoint_from_the_cli(llama_checkpoint, tmp_path):
+    runner = CliRunner()
+    dut = runner.invoke(cli, ["capture", f"hf:{llama_checkpoint}", "-o", str(tmp_path / "dut"), "--level", "module"])
+    assert dut.exit_code == 0, dut.output
     assert f"of hf:{llama_checkpoint} on cpu/bf16" in dut.stdout and "loss" in dut.stdout
     import precisiondiff
     scopes = {ev.scope for ev in precisiondiff.load(tmp_path / "dut").events()}
     assert {"model.layers.0.self_attn", "lm_head"} <= scopes
-    bad = pd_cli("capture", f"hf:{tmp_path / 'missing'}", "-o", str(tmp_path / "x"))
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no such file" in bad.stderr
+    bad = runner.invoke(cli, ["capture", f"hf:{tmp_path / 'missing'}", "-o", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "no such file" in bad.stderr
 
 
 def test_the_pytest_plugin_checks_an_hf_workload(pytester, llama_checkpoint):

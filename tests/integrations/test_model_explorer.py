@@ -92,3 +92,21 @@ def test_without_model_explorer_the_error_says_how_to_install_it(planted_dumps, 
     monkeypatch.setitem(sys.modules, "model_explorer", None)
     with pytest.raises(PrecisionDiffError, match=r"pip install 'precisiondiff\[explorer\]'"):
         write_overlay(precisiondiff.compare(*planted_dumps), tmp_path / "o.json")
+
+
+def test_report_cli_writes_the_overlay_and_marks_the_bisect_culprit(planted_dumps, tmp_path):
+    from click.testing import CliRunner
+
+    from precisiondiff.cli import cli
+    bisect = tmp_path / "bisect.json"
+    bisect.write_text(json.dumps({"verdict": "kernel", "culprit": {"kind": "op", "scope": "blocks.1", "name": GELU,
+                                                                   "direction": "forward", "call": 0}}))
+    out = tmp_path / "me" / "overlay.json"
+    r = CliRunner().invoke(cli, ["report", *planted_dumps, "--model-explorer", str(out), "--bisect", str(bisect),
+                                 "--no-progress"])
+    assert r.exit_code == 1, r.output  # the planted GELU diverges
+    assert f"model-explorer {tmp_path / 'me' / 'overlay.graph.json'} --node_data_paths={out}" in r.stderr
+    results = json.loads(out.read_text())[GRAPH_ID]["results"]
+    assert results["rough_gelu_1"]["bgColor"] == CULPRIT_COLOR and "bgColor" not in results["rough_gelu"]
+    misuse = CliRunner().invoke(cli, ["report", *planted_dumps, "-o", str(tmp_path / "r.html"), "--bisect", str(bisect)])
+    assert misuse.exit_code == 2 and "--workload and --bisect go with --model-explorer" in misuse.stderr
