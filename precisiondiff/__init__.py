@@ -8,8 +8,8 @@ Public API::
     precisiondiff.bisect(workload)            # localize the culprit kernel
     precisiondiff.Workload, precisiondiff.Target
 
-Heavy parts (the dump reader, comparisons, bisect, rich, h5py, matplotlib) load on first use,
-so ``import precisiondiff`` stays cheap.
+Heavy parts (torch, the dump reader, comparisons, bisect, rich, h5py, matplotlib) load on first
+use, so ``import precisiondiff`` stays cheap.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import importlib
 from typing import Any
 
 from .errors import PrecisionDiffError
-from .runtime import Target, Workload
 
 __version__ = "0.1.0"
 
@@ -36,6 +35,10 @@ __all__ = [
 
 # name -> (module, attribute), imported on first access (PEP 562)
 _LAZY = {
+    # torch loads with the first of these, not with ``import precisiondiff`` (the pytest plugin
+    # is imported by every pytest run once precisiondiff is installed)
+    "Target": (".runtime.targets", "Target"),
+    "Workload": (".runtime.workload", "Workload"),
     "capture": (".capture", None),
     "load": (".store", "load"),
     # the packages of these three names are callable as their function (see _callable.py)

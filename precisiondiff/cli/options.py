@@ -1,10 +1,12 @@
-"""Options defined once, shared by the CLI and the pytest plugin."""
+"""Options defined once, shared by the CLI and the pytest plugin.
+
+The table is plain data: click loads only when a command is decorated (:func:`click_options`),
+so the pytest plugin reads it at start-up without loading click.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Tuple
-
-import click
 
 __all__ = ["Option", "CAPTURE_OPTIONS", "PYTEST_OPTIONS", "click_options", "pytest_options"]
 
@@ -51,6 +53,9 @@ DUMP_DIR = Option(("--dump-dir",), None, "keep the dumps (DUT and reference) of 
                   "for `precisiondiff report`")
 BISECT = Option(("--bisect",), True, "on a parity failure, bisect to the culprit op and report it",
                 type=bool, is_flag=True, negatable=True)
+KERNELS = Option(("--kernels",), False, "judge every op against its own budget (kernels=True) in every "
+                 "parity check, even when the final output is within its bound: a kernel CI's switch",
+                 type=bool, is_flag=True)
 
 CAPTURE_OPTIONS = (TARGET, LEVEL, MODE, FORMAT, SEED, SCOPE, SCOPE_EXCLUDE, OP, OP_EXCLUDE, STEPS, RANKS)
 
@@ -62,6 +67,7 @@ PYTEST_OPTIONS = (
     DUMP_DIR.renamed("--parity-dump-dir"),
     BISECT.renamed("--parity-bisect"),
     SEED.renamed("--parity-seed"),
+    KERNELS.renamed("--parity-kernels"),
 )
 
 
@@ -85,6 +91,8 @@ def pytest_options(group: Any, *options: Option) -> None:
 
 def click_options(*options: Option) -> Callable[[Callable], Callable]:
     """Decorate a click command with the given options."""
+    import click
+
     def decorate(fn: Callable) -> Callable:
         for opt in reversed(options):
             kwargs: dict = {"default": opt.default, "help": opt.help, "show_default": opt.default is not None}

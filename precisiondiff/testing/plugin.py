@@ -8,23 +8,34 @@ Installed through the ``pytest11`` entry point, so installing precisiondiff enab
 * the ``parity`` marker: ``@pytest.mark.parity(target=..., ref=..., max_ulp=..., ...)`` sets
   defaults for a test, class or module; unknown keywords are a usage error;
 * options (one group): ``--parity-target`` (comma-separated: one test per target),
-  ``--parity-ref``, ``--parity-dump-dir``, ``--parity-bisect/--no-parity-bisect``, ``--parity-seed``.
+  ``--parity-ref``, ``--parity-dump-dir``, ``--parity-bisect/--no-parity-bisect``, ``--parity-seed``,
+  ``--parity-kernels`` (every ``check`` runs with ``kernels=True``: a kernel CI's switch).
 
 Tests using ``parity`` are parametrized by target, so ``pytest -v`` shows ``test_x[cpu/bf16]``;
-a target whose device is missing skips the test with the reason.
+a target whose device is missing skips the test with the reason, whether the target came from
+the command line, a marker or the call itself.
+
+The plugin is quiet: installing precisiondiff enables it in every pytest run, so at start-up it
+loads neither torch nor click; torch (and a device) is touched only by a test that uses the
+``parity`` fixture or marker, or by an explicit ``--parity-target``/``--parity-ref``.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
 from ..errors import PrecisionDiffError
-from ..cli import options as _options
-from ..runtime.targets import Target, default_dut
+
+if TYPE_CHECKING:
+    from ..runtime.targets import Target
 
 __all__ = ["MARKER_KEYS", "ParitySettings", "ParityFixture"]
 
@@ -53,11 +64,45 @@ class ParitySettings:
 
 
 _SETTINGS = pytest.StashKey[ParitySettings]()
+_DEFAULT_REF = "cpu/float64"
+
+
+def _option_table() -> ModuleType:
+    """The shared option table, ``cli/options.py``, read without the ``cli`` package around it.
+
+    Importing ``precisiondiff.cli.options`` first runs ``precisiondiff/cli/__init__.py``, which
+    loads click and every command: a cost every unrelated pytest run would pay. The table is
+    plain data, so it is executed from its file as a private copy (``sys.modules`` is left as
+    it was); the CLI imports the same file the ordinary way.
+    """
+    name = "precisiondiff.cli.options"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "cli" / "options.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def _target(text: str) -> "Target":
+    from ..runtime.targets import Target
+    return Target.parse(text)
+
+
+def _default_dut() -> "Target":
+    from ..runtime.targets import default_dut
+    return default_dut()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    options = _option_table()
     group = parser.getgroup("precisiondiff", "numerical parity (precisiondiff)")
-    _options.pytest_options(group, *_options.PYTEST_OPTIONS)
+    options.pytest_options(group, *options.PYTEST_OPTIONS)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -69,17 +114,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SETTINGS] = ParitySettings(
         target=config.getoption("parity_target"), ref=config.getoption("parity_ref"),
         dump_dir=config.getoption("parity_dump_dir"), bisect=config.getoption("parity_bisect"),
-        seed=config.getoption("parity_seed"))
+        seed=config.getoption("parity_seed"), kernels=config.getoption("parity_kernels"))
     _check_targets(config)
 
 
 def _check_targets(config: pytest.Config) -> None:
+    """A bad ``--parity-target``/``--parity-ref`` is a usage error before anything runs (only
+    when given: parsing a target loads torch)."""
     s = config.stash[_SETTINGS]
-    for flag, text in (("--parity-target", s.target), ("--parity-ref", s.ref)):
+    given = [("--parity-target", s.target)] + ([("--parity-ref", s.ref)] if s.ref != _DEFAULT_REF else [])
+    for flag, text in given:
         for part in (text or "").split(","):
             if part.strip():
                 try:
-                    Target.parse(part)
+                    _target(part)
                 except PrecisionDiffError as err:
                     raise pytest.UsageError(f"{flag}: {err}") from None
 
@@ -93,9 +141,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    s = config.stash[_SETTINGS]
-    return (f"precisiondiff: parity target {s.target or f'{default_dut()} (default)'}, ref {s.ref}, "
-            f"bisect {'on' if s.bisect else 'off'}" + (f", dumps in {s.dump_dir}" if s.dump_dir else ""))
+    s = config.stash[_SETTINGS]  # the default DUT is not resolved here: that would probe devices
+    return (f"precisiondiff: parity target {s.target or 'default (first available of mlu, cuda, cpu in bf16)'}, "
+            f"ref {s.ref}, bisect {'on' if s.bisect else 'off'}" + (", kernels on" if s.kernels else "")
+            + (f", dumps in {s.dump_dir}" if s.dump_dir else ""))
 
 
 def _marker_values(node: Any) -> Dict[str, Any]:
@@ -118,7 +167,7 @@ def _validate(mark: pytest.Mark, node: Any) -> None:
     for key in ("target", "ref"):
         if mark.kwargs.get(key) is not None:
             try:
-                Target.parse(mark.kwargs[key])
+                _target(mark.kwargs[key])
             except PrecisionDiffError as err:
                 raise pytest.UsageError(f"{where}: @pytest.mark.parity({key}=...): {err}") from None
     if mark.kwargs.get("direction") not in (None, "forward", "backward"):
@@ -129,11 +178,11 @@ def _targets(config: pytest.Config, node: Any) -> List[str]:
     marked = _marker_values(node).get("target")
     text = marked or config.stash[_SETTINGS].target
     if text is None:
-        return [str(default_dut())]
+        return [str(_default_dut())]
     targets = []
     for part in str(text).split(","):
         try:
-            targets.append(str(Target.parse(part)))
+            targets.append(str(_target(part)))
         except PrecisionDiffError:  # a bad marker target: reported by the marker validation
             targets.append(part.strip())
     return targets
@@ -155,26 +204,39 @@ def _safe(nodeid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[:150]
 
 
+def _skip_if_absent(*targets: "Target") -> None:
+    """Skip the running test, with the reason, when a target's device is not on this machine."""
+    for which in targets:
+        try:
+            which.check_available()
+        except PrecisionDiffError as err:
+            pytest.skip(f"parity target {which} is not available: {err}")
+
+
 class ParityFixture:
     """What the ``parity`` fixture yields: :meth:`check` and :meth:`check_op`, judged and reported.
+
+    A target (or reference) whose device is absent skips the test, however it was given: the
+    command line, a marker, or the call (``parity.check(w, target="mlu/bf16")``).
 
     Example:
         >>> def test_model(parity):
         ...     parity.check("examples/tiny_transformer.py:build")
     """
 
-    def __init__(self, settings: ParitySettings, nodeid: str) -> None:
+    def __init__(self, settings: ParitySettings, nodeid: str, *, force_kernels: bool = False) -> None:
         self.settings = settings
         self.nodeid = nodeid
+        self.force_kernels = force_kernels  # --parity-kernels: wins over markers and calls
         self.results: List[Any] = []
 
     @property
-    def target(self) -> Target:
-        return Target.parse(self.settings.target) if self.settings.target else default_dut()
+    def target(self) -> "Target":
+        return _target(self.settings.target) if self.settings.target else _default_dut()
 
     @property
-    def ref(self) -> Target:
-        return Target.parse(self.settings.ref)
+    def ref(self) -> "Target":
+        return _target(self.settings.ref)
 
     def _settings(self, overrides: Dict[str, Any]) -> Tuple[ParitySettings, Dict[str, Any]]:
         unknown = sorted(set(overrides) - set(MARKER_KEYS))
@@ -182,6 +244,9 @@ class ParityFixture:
             raise PrecisionDiffError(f"unknown parity option(s) {', '.join(unknown)}; use "
                                      f"{', '.join(MARKER_KEYS)}")
         s = self.settings.merged(**{k: v for k, v in overrides.items() if v is not None})
+        if self.force_kernels:
+            s = replace(s, kernels=True)
+        _skip_if_absent(_target(s.target) if s.target else _default_dut(), _target(s.ref))
         return s, {k: v for k, v in s.budgets.items() if v is not None}
 
     def _dump_dir(self) -> Optional[str]:
@@ -229,7 +294,8 @@ class ParityFixture:
             expect: fail the test on a divergence (False: just return the result).
             kwargs: its keyword arguments.
             name: the op name choosing its budget class (default: from ``fn``).
-            **options: target, ref and budgets (rel_l2, max_ulp, min_cosine).
+            **options: target, ref and budgets (rel_l2, max_ulp, min_cosine); ``kernels`` does not
+                apply (the op itself is what is judged).
 
         Returns:
             The :class:`precisiondiff.parity.ParityResult`.
@@ -248,15 +314,10 @@ def parity(request: pytest.FixtureRequest, parity_target: str) -> Iterator[Parit
 
     Skips the test when the target's device is not available here.
     """
-    settings = request.config.stash[_SETTINGS].merged(**_marker_values(request.node))
-    settings = replace(settings, target=parity_target)
-    target = Target.parse(parity_target)
-    for which in (target, Target.parse(settings.ref)):
-        try:
-            which.check_available()
-        except PrecisionDiffError as err:
-            pytest.skip(f"parity target {which} is not available: {err}")
-    fixture = ParityFixture(settings, request.node.nodeid)
+    configured = request.config.stash[_SETTINGS]
+    settings = replace(configured.merged(**_marker_values(request.node)), target=parity_target)
+    _skip_if_absent(_target(parity_target), _target(settings.ref))
+    fixture = ParityFixture(settings, request.node.nodeid, force_kernels=configured.kernels)
     yield fixture
     for result in fixture.results:
         request.node.user_properties.append(("parity", f"{result.name} on {result.target}: "

@@ -43,21 +43,30 @@ def test_op(parity):
     result.stdout.fnmatch_lines(["*test_op?cpu/bf16? PASSED*", "*test_op?cpu/fp16? PASSED*"])
 
 
-def test_failure_report_names_the_planted_culprit(pytester):
-    result = run(pytester, """
+def test_parity_kernels_switches_a_suite_to_kernel_checks_with_a_compact_report(pytester):
+    body = """
 def test_buggy(parity):
-    parity.check(EXAMPLE + ":build_with_bug", kernels=True, direction="forward")
-""", "--parity-target", "cpu/bf16")
+    parity.check(EXAMPLE + ":build_with_bug", direction="forward")
+"""
+    # end to end, the planted bf16 accumulator hides inside the output's bound ...
+    run(pytester, body, "--parity-target", "cpu/bf16", "--no-parity-bisect").assert_outcomes(passed=1)
+    # ... and the kernel CI's switch names it, without editing the test
+    result = run(pytester, body, "--parity-target", "cpu/bf16", "--parity-kernels")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     result.stdout.fnmatch_lines([
+        "precisiondiff: parity target cpu/bf16, ref cpu/float64, bisect on, kernels on",
         "*parity FAILED: *tiny_transformer.py:build_with_bug on cpu/bf16 vs cpu/float64",
         "*kernels (forward)*FAIL",
         "first divergence: kernels (forward)",
         "culprit (kernel): op pdexample.fused_rms_norm.default in scope 'blocks.0.norm1' (forward)",
-        "  local error: max_ulp *vs budget:*",
-        "output.0: * of 2048 elements (*%) exceed the bfloat16 normalization budget.",
+        "pdexample.fused_rms_norm.default output.0: * of 2048 elements (*%) exceed *",
+        "Worst at index (*): actual *, golden *: abs err *, rel err *, * ULP; bound *",
+        "Hint: `precisiondiff bisect *tiny_transformer.py:build_with_bug --target cpu/bf16 --ref cpu/float64 "
+        "--direction forward --format json` shows *",
     ])
+    report = out[out.index("parity FAILED"):out.index("short test summary")]
+    assert report.count("Hint:") == 1 and "local error:" not in report
     assert "Traceback" not in out and "def check(" not in out  # a report, not a traceback wall
 
 
@@ -148,6 +157,27 @@ def test_x(parity):
 """, "-rs", "--parity-target", target)
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines([f"SKIPPED * parity target {target} is not available: *"])
+
+
+def test_a_target_given_in_the_call_skips_too_when_its_device_is_absent(pytester):
+    result = run(pytester, """
+def test_model(parity):
+    parity.check(EXAMPLE + ":build", target="mlu/bf16")
+    raise AssertionError("must not run")
+
+def test_op(parity):
+    parity.check_op(torch.exp, torch.randn(4), target="cuda:7/bf16")
+    raise AssertionError("must not run")
+
+def test_ref(parity):
+    parity.check_op(torch.exp, torch.randn(4), ref="mlu/float32")
+    raise AssertionError("must not run")
+""", "-rs", "--parity-target", "cpu/bf16")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(["SKIPPED * parity target mlu/bf16 is not available: *",
+                                 "SKIPPED * parity target cuda:7/bf16 is not available: *",
+                                 "SKIPPED * parity target mlu/fp32 is not available: *"],
+                                consecutive=False)
 
 
 def test_dumps_of_failing_tests_are_kept(pytester):
