@@ -29,6 +29,11 @@ class Row:
             ``||a - b|| / ||b||`` (tensors) or the largest relative statistic difference.
         ulp: a ULP figure for plots (``max_ulp``), or None.
         message: why the row failed (the budget's message), or why it is unmatched.
+        note: a remark on a passing row (dtype fill constants judged equivalent).
+        input_error: the largest error of the event's own inputs in the same comparison
+            (``input.*``, ``grad_output.*``), measured like ``error``; None when unknown.
+        growth: ``error / max(input_error, u)`` (``u`` the unit roundoff of A's dtype): how much
+            error this event adds to what it was given (see :mod:`precisiondiff.compare.suspects`).
     """
 
     key: str
@@ -58,6 +63,9 @@ class Row:
     message: str = ""
     noise: Optional[float] = None
     within_noise: bool = False
+    note: str = ""
+    input_error: Optional[float] = None
+    growth: Optional[float] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready dict: the DESIGN.md fields first, extras after."""
@@ -69,7 +77,8 @@ class Row:
                 "key_b": self.key_b, "seq_b": self.seq_b, "side": self.side, "match": self.match,
                 "mode": self.mode, "error": _finite(self.error), "ulp": _finite(self.ulp),
                 "bitwise": self.bitwise, "op_class": self.op_class, "message": self.message,
-                "noise": _finite(self.noise), "within_noise": self.within_noise}
+                "noise": _finite(self.noise), "within_noise": self.within_noise, "note": self.note,
+                "input_error": _finite(self.input_error), "growth": _finite(self.growth)}
 
 
 def _finite(v: Any) -> Any:
@@ -95,6 +104,8 @@ class Comparison:
         growth: module outputs' error along execution order, per direction.
         ranks: per-rank summary for multi-rank dumps.
         notes: sentences for the user (noise used, dtype order, ...).
+        suspects: where error is introduced: the rows whose error grows most against the
+            error of their own inputs, worst first (:func:`precisiondiff.compare.suspects.rank`).
     """
 
     a: str
@@ -109,6 +120,7 @@ class Comparison:
     ranks: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
     noise: Optional[str] = None
+    suspects: List[Dict[str, Any]] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -135,7 +147,7 @@ class Comparison:
                 "target_a": self.meta_a.get("target"), "target_b": self.meta_b.get("target"),
                 "noise": self.noise, "determinism": _finite(self.determinism),
                 "growth": _finite(self.growth), "ranks": {str(k): v for k, v in self.ranks.items()},
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "suspects": [_finite(s) for s in self.suspects]}
 
     def to_json(self, rows: Optional[List[Row]] = None, indent: Optional[int] = None) -> str:
         """Serialize :meth:`to_dict` as standard JSON (NaN/inf spelled as strings)."""

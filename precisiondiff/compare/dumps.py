@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from .align import Alignment, EventRef, align_events
+from .constants import constant_fill_note, rest_metrics
+from .suspects import InputErrors, bisect_hint, rank as _rank_suspects, set_growth
 from .stats import compare_stats, judge_stats, run_dtype, stats_error
 from .comparison import NOISE_FACTOR, Comparison, Row, _finite, _sort_value  # noqa: F401
 from .comparison import add_notes as _add_notes, determinism as _determinism  # noqa: F401
@@ -234,6 +236,9 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
                             meta_b=dict(dump_b.meta), ranks=per_rank, notes=notes,
                             noise=str(noise) if noise is not None else None)
     comparison.growth = _growth(rows)
+    comparison.suspects = _rank_suspects(rows)
+    if comparison.suspects:
+        comparison.notes.append(bisect_hint(dump_a.meta, dump_b.meta, str(a), str(b), comparison.suspects))
     if _same_target(dump_a.meta, dump_b.meta):
         comparison.determinism = _determinism(rows, dump_a.meta.get("target"))
     _add_notes(comparison)
@@ -286,10 +291,13 @@ def _compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge
         noise_of = {p.a: ev_n[p.b] for p in al_n.pairs}
     how = {p.a: p.how for p in alignment.pairs}
     total = len(alignment.order)
+    input_errors = InputErrors(da, db, device)
     for done, (i, j) in enumerate(alignment.order, start=1):
         if i is not None and j is not None:
-            yield from _pair_rows(da, db, dn, ev_a[i], ev_b[j], noise_of.get(i), how[i], inputs,
-                                  judge, device)
+            pair = list(_pair_rows(da, db, dn, ev_a[i], ev_b[j], noise_of.get(i), how[i], inputs,
+                                   judge, device, input_errors))
+            set_growth(pair, ev_a[i], ev_b[j], input_errors)
+            yield from pair
         elif i is not None:
             yield from _unmatched_rows(ev_a[i], "a", inputs)
         else:
@@ -312,7 +320,8 @@ def _unmatched_rows(ev: Any, side: str, inputs: bool) -> Iterator[Row]:
 
 
 def _pair_rows(da: Any, db: Any, dn: Any, ea: Any, eb: Any, en: Any, how: str, inputs: bool,
-               judge: _Judge, device: Optional[str]) -> Iterator[Row]:
+               judge: _Judge, device: Optional[str], input_errors: Optional[InputErrors] = None
+               ) -> Iterator[Row]:
     recs_b = {t.slot: t for t in eb.tensors}
     recs_n = {t.slot: t for t in en.tensors} if en is not None else {}
     for ra in ea.tensors:
@@ -340,6 +349,8 @@ def _pair_rows(da: Any, db: Any, dn: Any, ea: Any, eb: Any, en: Any, how: str, i
             yield row
             continue
         _judge_row(row, da, db, ra, rb, judge, device)
+        if input_errors is not None and row.mode == "tensors":
+            input_errors.remember(ra, rb, row.error)
         rn = recs_n.get(ra.slot)
         if rn is not None and row.verdict == "fail":
             _apply_noise(row, da, dn, ra, rn, device)
@@ -372,14 +383,32 @@ def _judge_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: _Judge,
             row.error = math.nan
         ok, msg = judge.end_to_end(ra.dtype, ra.key, m, row.error)
         row.ulp = _num(m, "max_ulp")
+        if not ok:
+            ok, msg = _judge_fills(row, da, db, ra, rb, judge, device, msg)
     else:
         row.mode = "stats"
         m = compare_stats(ra.stats, rb.stats)
         row.metrics = m
         ok, msg = judge_stats(m, ra.dtype, key=ra.key, run_dtype=judge.run_dtype)
         row.error = stats_error(m)
+        note = None if ok else constant_fill_note(ra.stats, rb.stats, ra.dtype, rb.dtype)
+        if note:
+            ok, row.note, row.error = True, note, 0.0
     row.verdict = "pass" if ok else "fail"
     row.message = "" if ok else msg
+
+
+def _judge_fills(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: _Judge, device: Optional[str],
+                 message: str) -> Tuple[bool, str]:
+    """A failing tensor row whose only difference is dtype fill constants at the same positions
+    (constants.py): judged on the other elements, with a note. Else the verdict stands."""
+    ta, tb = da.tensor(ra.key), db.tensor(rb.key)
+    rest = rest_metrics(ta.to(device) if device else ta, tb.to(device) if device else tb)
+    if rest is None:
+        return False, message
+    m, row.note = rest
+    row.metrics, row.error, row.ulp = m, _num(m, "diff2"), _num(m, "max_ulp")
+    return judge.end_to_end(ra.dtype, ra.key, m, row.error)
 
 
 def _apply_noise(row: Row, da: Any, dn: Any, ra: Any, rn: Any, device: Optional[str]) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from ..compare.comparison import Comparison, Row
 from . import plots
 from .listing import format_number
-from .table import layer_growth, summary_lines
+from .table import layer_growth, summary_lines, suspect_lines
 
 __all__ = ["render_html", "ulp_histogram_data"]
 
@@ -76,18 +76,20 @@ def _num_cell(v: Optional[float]) -> str:
     return f'<td class="num" data-v="{_e(raw)}">{_e(format_number(v))}</td>'
 
 
-def _row_html(r: Row, first_key: Optional[tuple]) -> str:
+def _row_html(r: Row, first_key: Optional[tuple], suspects: Optional[Dict[str, int]] = None) -> str:
     is_first = first_key == (r.rank, r.key) and r.verdict == "fail"
-    note = "FIRST DIVERGENCE" if is_first else (
+    rank = (suspects or {}).get(r.key)
+    note = "FIRST DIVERGENCE" + (f"; SUSPECT {rank} (x{format_number(r.growth)})" if rank else "") if is_first else (
         f"only in {'A' if r.side == 'a' else 'B'}" if r.verdict == "unmatched" else
+        f"SUSPECT {rank} (x{format_number(r.growth)})" if rank else
         "within noise" if r.within_noise else "uninitialized, skipped" if r.mode == "uninitialized"
-        else "fused" if r.match == "fused" else "")
+        else "dtype fill constants" if r.note else "fused" if r.match == "fused" else "")
     cls = r.verdict + (" firstdiv" if is_first else "")
     cells = [f'<td class="num" data-v="{r.rank}">{r.rank}</td>', f'<td class="num" data-v="{r.seq}">{r.seq}</td>']
     cells += [f"<td>{_e(x)}</td>" for x in (r.direction, r.kind, r.scope or "(root)", r.name, r.slot,
                                              r.dtype_a or "-", r.dtype_b or "-")]
     cells += [_num_cell(r.error), _num_cell(r.ulp), f'<td class="v">{_e(r.verdict)}</td>',
-              f'<td title="{_e(r.message)}">{_e(note)}</td>']
+              f'<td title="{_e(r.message or r.note)}">{_e(note)}</td>']
     return f'<tr class="{_e(cls)}">' + "".join(cells) + "</tr>"
 
 
@@ -150,7 +152,10 @@ def render_html(c: Comparison, *, rows: Optional[List[Row]] = None, worst: int =
              f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
              f"<h1>{_e(title)}</h1>", '<div class="summary">']
     lines = summary_lines(c)
+    suspect_text = set(suspect_lines(c))  # shown in their own section
     for line in lines:
+        if line in suspect_text:
+            continue
         if line.startswith("first divergence"):
             parts.append(f'<div class="first">{_e(line)}</div>')
         elif line.startswith("no divergence"):
@@ -158,18 +163,40 @@ def render_html(c: Comparison, *, rows: Optional[List[Row]] = None, worst: int =
         else:
             parts.append(f"<p>{_e(line)}</p>")
     parts.append("</div>")
+    parts.append(_suspects_html(c))
     parts.append(_plots_html(c, rows, worst, device))
     parts.append(f"<h2>Tensors ({len(rows)} rows, execution order; click a header to sort)</h2>")
     parts.append('<input id="filter" type="search" placeholder="filter rows (scope, op, verdict...)">')
     parts.append('<table id="rows"><thead><tr>' + "".join(f"<th>{_e(h)}</th>" for h in _COLUMNS)
                  + "</tr></thead><tbody>")
-    parts.extend(_row_html(r, first_key) for r in rows)
+    ranked = {s["key"]: i for i, s in enumerate(c.suspects, start=1)}
+    parts.extend(_row_html(r, first_key, ranked) for r in rows)
     parts.append("</tbody></table>")
     meta = {"a": c.meta_a, "b": c.meta_b}
     parts.append("<h2>Provenance</h2><pre class=\"note\">" + _e(json.dumps(meta, indent=1, default=str))
                  + "</pre>")
     parts.append(f"<script>{_JS}</script></body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _suspects_html(c: Comparison) -> str:
+    """Where error is introduced: the suspects' table and the bisect hint (from the notes)."""
+    if not c.suspects:
+        return ""
+    head = ("#", "seq", "dir", "kind", "scope", "name", "slot", "error", "inputs' error", "growth", "verdict")
+    out = ["<h2>Suspects: where error is introduced</h2>",
+           f'<p class="note">Rows whose error grows most against the error of their own inputs '
+           f'(typical growth x{_e(format_number(c.suspects[0].get("typical_growth")))}).</p>',
+           '<table id="suspects"><thead><tr>' + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr></thead><tbody>"]
+    for i, s in enumerate(c.suspects, start=1):
+        cells = [f"<td>{i}</td>", f'<td class="num">{_e(s["seq"])}</td>']
+        cells += [f"<td>{_e(x)}</td>" for x in (s["direction"], s["kind"], s["scope"] or "(root)", s["name"], s["slot"])]
+        cells += [_num_cell(s.get("error")), _num_cell(s.get("input_error")), _num_cell(s.get("growth")),
+                  f'<td class="v">{_e(s["verdict"])}</td>']
+        out.append(f'<tr class="{_e(s["verdict"])}">' + "".join(cells) + "</tr>")
+    out.append("</tbody></table>")
+    out.extend(f'<p class="note">{_e(n)}</p>' for n in c.notes if n.startswith("Hint:"))
+    return "\n".join(out)
 
 
 def _plots_html(c: Comparison, rows: List[Row], worst: int, device: Optional[str]) -> str:

@@ -6,7 +6,7 @@ from typing import Any, List, Optional
 from ..compare.comparison import Comparison, Row
 from .listing import format_number
 
-__all__ = ["render_table", "summary_lines", "layer_growth"]
+__all__ = ["render_table", "summary_lines", "suspect_lines", "layer_growth"]
 
 _STYLE = {"pass": "green", "fail": "bold red", "unmatched": "yellow"}
 
@@ -56,12 +56,27 @@ def summary_lines(c: Comparison) -> List[str]:
                       if worst["growth"] else "")
             at_step = f" (step {layers[0]['step']})" if len({g.get("step") for g in c.growth.get(direction, [])}) > 1 else ""
             lines.append(f"{direction} error by layer{at_step}: {curve}{more}{growth}")
+    lines.extend(suspect_lines(c))
     for rank, rs in sorted(c.ranks.items()):
         fd = rs.get("first_divergence")
         lines.append(f"rank {rank}: {rs['tensors']} tensors, {rs['failed']} failed"
                      + (f", first divergence {fd['scope']} {fd['name']} {fd['slot']}" if fd else ""))
-    lines.extend(f"note: {n}" for n in c.notes)
+    lines.extend(f"note: {n}" for n in c.notes if not n.startswith("Hint:"))  # hints follow the suspects
     return lines
+
+
+def suspect_lines(c: Comparison) -> List[str]:
+    """Where error is introduced: one line per suspect (compare/suspects.py), worst first."""
+    if not c.suspects:
+        return []
+    typical = c.suspects[0].get("typical_growth")
+    lines = [f"suspects (output error against their own inputs' error; typical growth "
+             f"x{format_number(typical)}):"]
+    for i, s in enumerate(c.suspects, start=1):
+        lines.append(f"  {i}. seq {s['seq']} {s['direction']} {s['kind']} {s['scope'] or '(root)'} "
+                     f"{s['name']} {s['slot']}: error {format_number(s['error'])} from inputs' "
+                     f"{_fmt(s.get('input_error'))}, x{format_number(s['growth'])}")
+    return lines + [n for n in c.notes if n.startswith("Hint:")]
 
 
 def _fmt(v: Any) -> str:
@@ -84,6 +99,7 @@ def render_table(c: Comparison, console: Any, *, rows: Optional[List[Row]] = Non
     rows = c.rows if rows is None else rows
     fd = c.first_divergence
     multi = bool(c.ranks)
+    suspects = {s["key"]: i for i, s in enumerate(c.suspects, start=1)}
     table = Table(header_style="bold", pad_edge=False, title=title)
     cols = (["rank"] if multi else []) + ["", "seq", "dir", "kind", "scope", "name", "slot",
                                           "dtype A/B", "rel err", "max ulp", "verdict", "note"]
@@ -93,12 +109,17 @@ def render_table(c: Comparison, console: Any, *, rows: Optional[List[Row]] = Non
     for r in rows:
         first = bool(fd) and r.key == fd["key"] and r.rank == fd.get("rank", r.rank) and r.verdict == "fail"
         note = "within noise" if r.within_noise else ("fused" if r.match == "fused" else "")
+        if r.note:
+            note = "dtype fill constants"
+        if r.key in suspects:
+            note = f"SUSPECT {suspects[r.key]} (x{format_number(r.growth)})"
         if r.mode == "uninitialized":
             note = "uninitialized, skipped"
         if r.verdict == "unmatched":
             note = f"only in {'A' if r.side == 'a' else 'B'}"
         if first:
-            note = "FIRST DIVERGENCE"
+            note = "FIRST DIVERGENCE" + (f"; SUSPECT {suspects[r.key]} (x{format_number(r.growth)})"
+                                         if r.key in suspects else "")
         cells = ([str(r.rank)] if multi else []) + [
             ">>" if first else "", str(r.seq), {"forward": "fwd", "backward": "bwd"}.get(r.direction, r.direction), r.kind, r.scope or "(root)", r.name,
             r.slot, f"{r.dtype_a or '-'}/{r.dtype_b or '-'}", _fmt(r.error), _fmt(r.ulp),
