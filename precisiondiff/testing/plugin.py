@@ -64,7 +64,6 @@ class ParitySettings:
 
 
 _SETTINGS = pytest.StashKey[ParitySettings]()
-_DEFAULT_REF = "cpu/float64"
 
 
 def _option_table() -> ModuleType:
@@ -122,7 +121,8 @@ def _check_targets(config: pytest.Config) -> None:
     """A bad ``--parity-target``/``--parity-ref`` is a usage error before anything runs (only
     when given: parsing a target loads torch)."""
     s = config.stash[_SETTINGS]
-    given = [("--parity-target", s.target)] + ([("--parity-ref", s.ref)] if s.ref != _DEFAULT_REF else [])
+    default_ref = _option_table().REF.default
+    given = [("--parity-target", s.target)] + ([("--parity-ref", s.ref)] if s.ref != default_ref else [])
     for flag, text in given:
         for part in (text or "").split(","):
             if part.strip():
