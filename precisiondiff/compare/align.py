@@ -11,7 +11,10 @@ Rules (see docs/compare.md):
   ops present on one side only (an extra cast, a copy) are left unmatched while the others
   still pair up. In a replaced stretch (a fused kernel on one side where the other runs
   three ATen ops) the *last* ops of both stretches are paired as ``"fused"`` when their
-  output shapes agree: the fused kernel's output is the stretch's output.
+  output shapes agree: the fused kernel's output is the stretch's output. Dtype casts
+  (``aten._to_copy``) are aligned after the other ops, within the stretch between two matched
+  ones: a run in another dtype adds casts by design, and an extra cast next to a repeated
+  pattern (``mul mul sum``) must not shift the pattern's pairing.
 * Every event ends up in exactly one place: a pair, or the unmatched list of its side.
 
 Structural checks raise :class:`~precisiondiff.errors.AlignmentError` (different steps,
@@ -19,6 +22,7 @@ different ranks, or different models: too few events match).
 """
 from __future__ import annotations
 
+import bisect
 import difflib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -106,8 +110,41 @@ def _segments(events: Sequence[EventRef]) -> Dict[int, Tuple]:
     return groups
 
 
+# dtype casts: a run in another dtype adds or moves them by design (T5's LayerNorm casts to the
+# weight's dtype only in bf16/fp16), so they must not steer the alignment of the arithmetic.
+_CASTS = ("aten._to_copy.", "aten.to.", "aten._to_copy", "aten.to")
+
+
+def _is_cast(ev: EventRef) -> bool:
+    return ev.name.startswith(_CASTS[:2]) or ev.name in _CASTS[2:]
+
+
 def _align_ops(a_ops: List[EventRef], b_ops: List[EventRef]) -> Tuple[List[Pair], List[int], List[int]]:
-    """Sequence-align two op lists of one group by name."""
+    """Sequence-align two op lists of one group by name: the ops that compute first, then the
+    casts between each two matched ones (a cast present on one side only stays unmatched)."""
+    pairs, un_a, un_b = _align_names([e for e in a_ops if not _is_cast(e)], [e for e in b_ops if not _is_cast(e)])
+    casts_a, casts_b = [e for e in a_ops if _is_cast(e)], [e for e in b_ops if _is_cast(e)]
+    if not (casts_a or casts_b):
+        return pairs, un_a, un_b
+    seq_a, seq_b = {e.index: e.seq for e in a_ops}, {e.index: e.seq for e in b_ops}
+    bounds_a = sorted(seq_a[p.a] for p in pairs)
+    bounds_b = sorted(seq_b[p.b] for p in pairs)
+    gap_a: Dict[int, List[EventRef]] = defaultdict(list)
+    gap_b: Dict[int, List[EventRef]] = defaultdict(list)
+    for e in casts_a:
+        gap_a[bisect.bisect_left(bounds_a, e.seq)].append(e)
+    for e in casts_b:
+        gap_b[bisect.bisect_left(bounds_b, e.seq)].append(e)
+    for gap in sorted(set(gap_a) | set(gap_b)):
+        more = _align_names(gap_a.get(gap, []), gap_b.get(gap, []))
+        pairs += more[0]
+        un_a += more[1]
+        un_b += more[2]
+    return pairs, un_a, un_b
+
+
+def _align_names(a_ops: List[EventRef], b_ops: List[EventRef]) -> Tuple[List[Pair], List[int], List[int]]:
+    """Longest-matching-block alignment of two op lists by name (see the module docstring)."""
     pairs: List[Pair] = []
     un_a: List[int] = []
     un_b: List[int] = []

@@ -137,3 +137,23 @@ def test_different_steps_are_refused():
     b = [EventRef(0, 0, "op", "", "aten.mm", "forward", 0, 1)]
     with pytest.raises(AlignmentError, match=r"different training steps: A \[0\], B \[1\]"):
         align_events(a, b)
+
+
+def test_an_extra_cast_does_not_shift_a_repeated_pattern():
+    # T5's LayerNorm backward: the bf16 run casts to the weight's dtype between the two
+    # `mul mul sum` patterns, the float64 run after them. Longest-block matching on names alone
+    # pairs A's first pattern (+ its cast) with B's second; casts are aligned last.
+    ops = lambda names: _renumber([("op", "ln", f"aten.{n}", "backward", (2,)) for n in names.split()])  # noqa: E731
+    a = ops("mul mul sum _to_copy mul mul _to_copy sum pow")
+    b = ops("mul mul sum mul mul sum _to_copy pow")
+    al = align_events(a, b)
+    pairs = {(a[p.a].name, a[p.a].call): (b[p.b].name, b[p.b].call) for p in al.pairs}
+    assert pairs[("aten.mul", 0)] == ("aten.mul", 0) and pairs[("aten.mul", 2)] == ("aten.mul", 2)
+    assert pairs[("aten.sum", 0)] == ("aten.sum", 0) and pairs[("aten.pow", 0)] == ("aten.pow", 0)
+    assert pairs[("aten.sum", 1)] == ("aten.sum", 1)
+    # each cast sits between other ops on each side: reported unmatched, never paired across
+    assert [a[i].name for i in al.unmatched_a] == ["aten._to_copy"] * 2
+    assert [b[i].name for i in al.unmatched_b] == ["aten._to_copy"]
+    # a cast between the same two matched ops on both sides is paired
+    al = align_events(ops("mul _to_copy sum mul"), ops("mul _to_copy sum _to_copy mul"))
+    assert len(al.pairs) == 4 and al.unmatched_a == [] and len(al.unmatched_b) == 1
