@@ -1,4 +1,4 @@
 """``python -m precisiondiff.cli``."""
-from . import main
+from .app import main
 
 main()

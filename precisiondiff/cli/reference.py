@@ -55,7 +55,7 @@ def render(group: "click.Group | None" = None) -> str:
         True
     """
     if group is None:
-        from . import cli as group
+        from .app import cli as group
     root = click.Context(group, info_name="precisiondiff", **group.context_settings)
     lines = ["# Command-line reference", "",
              f"<!-- generated from the click commands: {REGENERATE}; do not edit by hand -->", "",

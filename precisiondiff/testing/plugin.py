@@ -21,12 +21,9 @@ loads neither torch nor click; torch (and a device) is touched only by a test th
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -67,25 +64,9 @@ _SETTINGS = pytest.StashKey[ParitySettings]()
 
 
 def _option_table() -> ModuleType:
-    """The shared option table, ``cli/options.py``, read without the ``cli`` package around it.
-
-    Importing ``precisiondiff.cli.options`` first runs ``precisiondiff/cli/__init__.py``, which
-    loads click and every command: a cost every unrelated pytest run would pay. The table is
-    plain data, so it is executed from its file as a private copy (``sys.modules`` is left as
-    it was); the CLI imports the same file the ordinary way.
-    """
-    name = "precisiondiff.cli.options"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "cli" / "options.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file runs
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[name]
-    return module
+    """The shared option table (plain data: importing it loads neither click nor torch)."""
+    from ..cli import options
+    return options
 
 
 def _target(text: str) -> "Target":
