@@ -11,6 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..comparators.accumulation import is_random_call, magnitude_op
+from ..comparators.peers import compute_dtype
 from . import _compat
 from . import judge as J
 from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
@@ -171,15 +173,22 @@ def run_search(inp: EngineInput) -> EngineOutput:
 
 
 def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple[Judgement, dict]:
-    want_mag = J.magnitude_op(ev.name)
+    """Judge an op call by the peer rule (judge.py): its error against what correct
+    implementations in the DUT dtype give on the same inputs. Random ops are data."""
+    if _is_random(ev):
+        return Judgement(replayable=True), {"replayable": True, "passed": True, "random": True, "local": {},
+                                            "budget": {}, "message": "random op: its outputs are data"}
     try:
-        golden, mags = replay_op(ev, device=inp.ref_device, dtype=inp.ref_dtype, magnitude=want_mag)
+        rep = replay_op(ev, device=inp.ref_device, dtype=inp.ref_dtype, magnitude=magnitude_op(ev.name))
     except Unreplayable as err:
         log.info("not replayable: %s", err)
         return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
-    counter["ops"] += 2 if mags is not None else 1
+    counter["ops"] += 2 if rep.magnitudes is not None else 1
+    in_dtypes = [getattr(torch, info[0]) for slot, info in ev.slots.items()
+                 if slot.startswith("input.") and isinstance(getattr(torch, info[0], None), torch.dtype)
+                 and getattr(torch, info[0]).is_floating_point]
     outputs = []
-    for i, g in enumerate(golden):
+    for i, g in enumerate(rep.golden):
         slot = f"output.{i}"
         info = ev.slots.get(slot)
         if info is None or not info[2] or not g.is_floating_point():
@@ -191,20 +200,28 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple
             return Judgement(replayable=False), {"replayable": False,
                                                  "reason": f"{slot}: golden shape {tuple(g.shape)} "
                                                            f"!= recorded {tuple(dut.shape)}"}
-        mag = mags[i] if mags is not None and i < len(mags) else None
-        outputs.append((slot, dut, g, mag))
+        mag = rep.magnitudes[i] if rep.magnitudes is not None and i < len(rep.magnitudes) else None
+        k = rep.ks[i] if i < len(rep.ks) else None
+        outputs.append(J.OpOutput(slot, i, dut, g, mag, k, compute_dtype(dut.dtype, in_dtypes)))
     if not outputs:
         return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}
     module_class = inp.module_class_of(ev.scope) if inp.module_class_of is not None else None
-    oj = J.judge_op_outputs(ev.name, outputs, k=getattr(ev, "k", None), module_class=module_class,
-                            overrides=inp.overrides)
+    n_out = len(rep.golden)
+    dtypes: List[Optional[torch.dtype]] = [None] * n_out
+    for o in outputs:
+        dtypes[o.index] = o.dut.dtype
+
+    def peers() -> Dict[str, Any]:
+        counter["ops"] += 2
+        return rep.peers(dtypes)
+    oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
     detail = {"replayable": True, "passed": oj.passed, "local": oj.local, "budget": oj.budget,
-              "slot": oj.slot, "message": oj.message}
+              "slot": oj.slot, "message": oj.message, "peer": oj.peer}
     floor = (inp.noise or {}).get((ev.scope, ev.name, ev.direction, ev.call), 0.0)
     if floor > 0:
         detail["noise"] = floor
     if not oj.passed and floor > 0:
-        err = J.max_abs_error([(dut, g) for _, dut, g, _ in outputs])
+        err = J.max_abs_error([(o.dut, o.golden) for o in outputs])
         detail["noise_error"] = err
         if err <= J.NOISE_FACTOR * floor:
             detail.update(passed=True, within_noise=True,
@@ -213,6 +230,16 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple
                                   f"{oj.message.splitlines()[0] if oj.message else ''})")
             return Judgement(replayable=True, over=False), detail
     return Judgement(replayable=True, over=not oj.passed), detail
+
+
+def _is_random(ev: UnitEvent) -> bool:
+    """A random op (``torch.Tag.nondeterministic_seeded``, dropout actually on)."""
+    if not ev.args:
+        return is_random_call(ev.name)
+    scalars = lambda v: v if isinstance(v, (int, float, bool)) or v is None else 0  # noqa: E731
+    args = [scalars(a) for a in ev.args.get("args", [])]
+    kwargs = {k: scalars(v) for k, v in (ev.args.get("kwargs") or {}).items()}
+    return is_random_call(ev.name, args, kwargs)
 
 
 def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fallback: set,

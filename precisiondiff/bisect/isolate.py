@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.serialize import decode_args, flatten_tensors
 from .references import reference_for
 
-__all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op",
+__all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
            "replay_module_forward", "replay_module_backward", "FALLBACK_DTYPE"]
 
 FALLBACK_DTYPE = torch.float32  # inside module replays, for ops with no golden-dtype kernel
@@ -142,61 +142,83 @@ def _call(fn: Callable, args: Any, kwargs: Any, what: str) -> Any:
         raise Unreplayable(f"{what}: {type(err).__name__}: {str(err).splitlines()[0][:200]}") from err
 
 
-def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype,
-              magnitude: bool = False) -> "tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]":
+@dataclass
+class OpReplay:
+    """One op call replayed on the reference.
+
+    Attributes:
+        golden: the outputs computed from the DUT's inputs upcast to the reference dtype.
+        magnitudes: the op on ``|inputs|`` (ops linear in each input), else None.
+        ks: the accumulation length of each output, from the op's schema.
+        peers: called with the DUT output dtypes, computes the emulated peers
+            (:mod:`precisiondiff.comparators.peers`) from the DUT's own inputs:
+            ``{"float32": [...] or None, "decomposition": [...] or None}``.
+    """
+
+    golden: List[torch.Tensor]
+    magnitudes: Optional[List[torch.Tensor]]
+    ks: List[Optional[int]]
+    peers: Callable[[List[Optional[torch.dtype]]], Dict[str, Optional[List[Optional[torch.Tensor]]]]]
+
+
+def _keep_dtype(device: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.detach().to(device=device, copy=True)
+
+
+def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool = False) -> OpReplay:
     """Golden outputs of one op call, and (``magnitude``) the op applied to ``|inputs|``.
 
     Raises:
         Unreplayable: not recorded in replay mode, or the op fails on the golden target.
     """
+    from ..comparators.accumulation import accumulation_lengths
+    from ..comparators.peers import decomposition_peer, float32_peer, peer_dtype
     if not ev.args or not ev.args.get("replayable", False):
         raise Unreplayable(f"{ev.name}: arguments not recorded (capture with --mode replay)")
     fn = reference_for(ev.name) or resolve_op(ev.name)
     enc_args, enc_kwargs = ev.args.get("args", []), ev.args.get("kwargs", {})
 
-    def run(absolute: bool) -> List[torch.Tensor]:
-        tensor_of = _loader(ev, _upcaster(device, dtype, absolute=absolute))
+    def decode(convert: Callable[[torch.Tensor], torch.Tensor],
+               dmap: Callable[[torch.dtype], torch.dtype], absolute: bool = False) -> "tuple[Any, Any]":
+        tensor_of = _loader(ev, convert)
         try:
-            args = decode_args(enc_args, tensor_of, device=device, dtype_map=_dtype_map(dtype))
-            kwargs = decode_args(enc_kwargs, tensor_of, device=device, dtype_map=_dtype_map(dtype))
+            args = decode_args(enc_args, tensor_of, device=device, dtype_map=dmap)
+            kwargs = decode_args(enc_kwargs, tensor_of, device=device, dtype_map=dmap)
         except ValueError as err:
             raise Unreplayable(f"{ev.name}: {err}") from err
         if absolute:
             args, kwargs = _abs_scalars(args), _abs_scalars(kwargs)
-        with torch.no_grad():
-            return flatten_tensors(_call(fn, args, kwargs, ev.name))
+        return args, kwargs
 
-    golden = run(False)
+    def run(absolute: bool) -> "tuple[List[torch.Tensor], Any, Any]":
+        args, kwargs = decode(_upcaster(device, dtype, absolute=absolute), _dtype_map(dtype), absolute)
+        with torch.no_grad():
+            return flatten_tensors(_call(fn, args, kwargs, ev.name)), args, kwargs
+
+    golden, g_args, g_kwargs = run(False)
+    ks = accumulation_lengths(ev.name, g_args, g_kwargs, golden)
     mags = None
-    ev_k = accumulation_length(ev, golden)
-    ev.k = ev_k  # type: ignore[attr-defined]
     if magnitude:
         try:
-            mags = run(True)
+            mags = run(True)[0]
         except Unreplayable:
             mags = None
-    return golden, mags
 
+    def peers(out_dtypes: List[Optional[torch.dtype]]) -> Dict[str, Optional[List[Optional[torch.Tensor]]]]:
+        wide = max((d for d in out_dtypes if d is not None), key=lambda d: torch.finfo(d).bits, default=torch.float32)
+        up = peer_dtype(wide)
+        try:
+            a_args, a_kwargs = decode(_upcaster(device, up), _dtype_map(up))
+            d_args, d_kwargs = decode(_keep_dtype(device), lambda dt: dt)
+        except Unreplayable:
+            return {"float32": None, "decomposition": None}
+        found = {"float32": float32_peer(fn, a_args, a_kwargs, out_dtypes)}
+        # a registered reference or a custom op has no torch._decomp entry: only the float32 peer
+        found["decomposition"] = (decomposition_peer(fn, d_args, d_kwargs, out_dtypes)
+                                  if reference_for(ev.name) is None else None)
+        return found
 
-def accumulation_length(ev: UnitEvent, golden: List[torch.Tensor]) -> Optional[int]:
-    """K of the condition-aware bound: the contracted length of a matmul-like op, the number
-    of elements summed into each output of a reduction (inputs / outputs otherwise)."""
-    base = ev.name.split(".")[-2] if ev.name.count(".") >= 2 else ev.name
-    shapes = [info[1] for slot, info in sorted(ev.slots.items(), key=lambda kv: _slot_order(kv[0]))
-              if slot.startswith("input.") and _is_float_name(info[0])]
-    if not shapes or not golden:
-        return None
-    if base in ("mm", "bmm", "matmul", "baddbmm", "addbmm", "addmm", "addmv", "mv", "linear"):
-        mats = [s for s in shapes if len(s) >= 2]
-        if mats:
-            first = mats[0] if base not in ("addmm", "baddbmm", "addbmm", "addmv") or len(mats) < 2 else (
-                mats[1] if len(shapes[0]) < 2 or len(mats) > 2 else mats[0])
-            return max(1, int(first[-1]))
-    if base == "embedding_dense_backward":
-        return max(1, int(torch.Size(shapes[0]).numel() // max(1, shapes[0][-1])))
-    n_in = max(torch.Size(s).numel() for s in shapes)
-    n_out = max(1, golden[0].numel())
-    return max(1, n_in // n_out)
+    return OpReplay(golden, mags, ks, peers)
 
 
 class GoldenMode(TorchDispatchMode):

@@ -183,7 +183,7 @@ def golden_of_culprit(ev: UnitEvent, events: List[UnitEvent], module_of: Callabl
                       ref: Target, dut_dtype: torch.dtype, unreplayable: List[str]) -> Dict[str, torch.Tensor]:
     """The culprit's golden outputs (``output.N`` / ``grad_input.N``) for substitution."""
     if ev.kind == "op":
-        golden, _ = replay_op(ev, device=ref.device, dtype=ref.dtype)
+        golden = replay_op(ev, device=ref.device, dtype=ref.dtype).golden
         return {f"output.{i}": g for i, g in enumerate(golden)}
     template = module_of(ev.scope)
     mode = GoldenMode(fallback=set(unreplayable))
