@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.serialize import decode_args, flatten_tensors
+from ..comparators.accumulation import is_random_call
 from .references import reference_for
 
 __all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
@@ -228,21 +229,37 @@ class GoldenMode(TorchDispatchMode):
         fallback: op names run in :data:`FALLBACK_DTYPE`; an op that raises in the golden
             dtype is added to it and rerun there (ops with no golden-dtype kernel).
         round_to: emulation: round each floating output to this dtype (and back).
+        decompose: with ``round_to``, emulate PyTorch's reference semantics instead: an op
+            with a ``torch._decomp`` decomposition runs it in ``round_to`` on its inputs rounded
+            to ``round_to`` (the math attention for a flash kernel, with its intermediate
+            roundings); other ops as above.
+        random_outputs: the DUT's outputs of the random ops (``torch.Tag.nondeterministic_seeded``)
+            of the replayed calls, in call order: each random op returns the next one (upcast)
+            instead of drawing fresh numbers, so the replay sees the DUT's own dropout masks.
         counter: optional dict; ``counter["ops"]`` is incremented per op (cost accounting).
     """
 
     def __init__(self, *, fallback: Optional[Set[str]] = None, round_to: Optional[torch.dtype] = None,
-                 counter: Optional[Dict[str, int]] = None) -> None:
+                 counter: Optional[Dict[str, int]] = None, decompose: bool = False,
+                 random_outputs: Optional[List[List[torch.Tensor]]] = None) -> None:
         super().__init__()
         self.fallback = fallback or set()
         self.round_to = round_to
         self.counter = counter
+        self.decompose = decompose and round_to is not None
+        self.random_outputs = list(random_outputs or [])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         name = str(func)
         if self.counter is not None:
             self.counter["ops"] = self.counter.get("ops", 0) + 1
+        if is_random_call(func, args, kwargs):
+            return self._recorded(func, args, kwargs)
+        if self.decompose and not func._schema.is_mutable and not getattr(func, "is_view", False):
+            out = self._decomposed(func, args, kwargs)
+            if out is not None:
+                return out
         ref = reference_for(name)
         if ref is not None:
             out = ref(*args, **kwargs)
@@ -267,6 +284,38 @@ class GoldenMode(TorchDispatchMode):
                 return v
             out = torch.utils._pytree.tree_map(rnd, out)
         return out
+
+    def _recorded(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """A random op: the DUT's next recorded outputs, written where the op writes."""
+        out = func(*args, **kwargs)  # shapes, aliasing (in-place ops return their input)
+        if not self.random_outputs:
+            return out
+        recorded = self.random_outputs.pop(0)
+        flat = flatten_tensors(out)
+        with torch.no_grad():
+            for t, r in zip(flat, recorded):
+                if tuple(t.shape) == tuple(r.shape):
+                    t.copy_(r.to(device=t.device, dtype=t.dtype))
+        return out
+
+    def _decomposed(self, func: Any, args: Any, kwargs: Any) -> Any:
+        from torch._decomp import decomposition_table
+        decomp = decomposition_table.get(func)
+        if decomp is None or reference_for(str(func)) is not None:
+            return None
+        low = self.round_to
+        golden = next((a.dtype for a in flatten_tensors((args, kwargs)) if a.is_floating_point()), None)
+        if golden is None:
+            return None
+        down = lambda v: v.to(low) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+        try:
+            out = decomp(*torch.utils._pytree.tree_map(down, args), **torch.utils._pytree.tree_map(down, kwargs))
+        except Exception:  # the decomposition does not run in that dtype: emulate by rounding
+            return None
+        if out is NotImplemented:
+            return None
+        return torch.utils._pytree.tree_map(
+            lambda v: v.to(golden) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
 
     @staticmethod
     def _in_fallback(func: Any, args: Any, kwargs: Any) -> Any:
@@ -357,6 +406,12 @@ def replay_module_backward(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitE
                 pairs.append((outs[i], up(bwd.load(slot))))
         if not pairs:
             raise Unreplayable(f"{bwd.scope}: no output of the replayed module needs a gradient")
+        # A recorded grad_output is the whole gradient of that output, including what flows back
+        # into it from inside the module (T5's encoder output also feeds its decoder): the hook
+        # makes it the output's gradient instead of adding the module's own share a second time.
+        for o, g in pairs:
+            if o.grad_fn is not None:
+                o.register_hook(lambda _grad, _g=g: _g)
         _call(lambda: torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs]),
               [], {}, f"module {bwd.scope or '<root>'} backward")
     golden: Dict[str, torch.Tensor] = {}

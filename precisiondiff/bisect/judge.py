@@ -203,13 +203,16 @@ class ModuleJudgement:
 
 
 def judge_module(pairs: Sequence[tuple], dtype: torch.dtype) -> ModuleJudgement:
-    """``pairs`` is ``[(dut, golden, emulated or None), ...]`` for every output the module gives.
+    """``pairs`` is ``[(dut, golden, emulated), ...]`` for every output the module gives;
+    ``emulated`` is one tensor, a tuple of emulations (the larger error counts: rounding every
+    op's output, and PyTorch's reference semantics in the DUT dtype), or None ("not computed":
+    the DUT error was already below the floor, so it cannot be over).
 
-    Errors are summed over outputs (squared L2). ``emulated`` None means "not computed" (the DUT
-    error was already below the floor, so it cannot be over).
+    Errors are summed over outputs (squared L2).
     """
     u = unit_roundoff(dtype)
-    e_dut2 = e_emu2 = g2 = 0.0
+    e_dut2 = g2 = 0.0
+    e_emu2: list = []
     for dut, golden, emulated in pairs:
         g = golden.detach().to(torch.float64)
         d = dut.detach().to(device=g.device, dtype=torch.float64)
@@ -217,14 +220,22 @@ def judge_module(pairs: Sequence[tuple], dtype: torch.dtype) -> ModuleJudgement:
             e_dut2 = math.inf
         g2 += float(torch.nan_to_num(g).pow(2).sum())
         e_dut2 += float(torch.nan_to_num(d - g, nan=0.0, posinf=math.inf, neginf=math.inf).pow(2).sum())
-        if emulated is not None:
-            em = emulated.detach().to(device=g.device, dtype=torch.float64)
-            e_emu2 += float(torch.nan_to_num(em - g, nan=0.0).pow(2).sum())
-    e_dut, e_emu, gnorm = math.sqrt(e_dut2), math.sqrt(e_emu2), math.sqrt(g2)
+        ems = emulated if isinstance(emulated, (tuple, list)) else (emulated,)
+        for j, em in enumerate(ems):
+            if em is None:
+                continue
+            em = em.detach().to(device=g.device, dtype=torch.float64)
+            while len(e_emu2) <= j:
+                e_emu2.append(0.0)
+            if em.shape == g.shape:
+                e_emu2[j] += float(torch.nan_to_num(em - g, nan=0.0).pow(2).sum())
+    e_dut, e_emu, gnorm = math.sqrt(e_dut2), math.sqrt(max(e_emu2, default=0.0)), math.sqrt(g2)
     explained = max(e_emu, u * gnorm)
     ratio = e_dut / explained if explained > 0 else (0.0 if e_dut == 0 else math.inf)
     local = {"rel_l2": e_dut / gnorm if gnorm else (0.0 if e_dut == 0 else math.inf),
              "rel_l2_emulated": e_emu / gnorm if gnorm else 0.0, "ratio_to_rounding": ratio}
+    if len(e_emu2) > 1 and gnorm:
+        local["rel_l2_emulations"] = [math.sqrt(e) / gnorm for e in e_emu2]
     budget = {"rule": "emulated-rounding", "over_factor": MODULE_OVER, "far_factor": MODULE_FAR,
               "unit_roundoff": u}
     return ModuleJudgement(over=ratio > MODULE_OVER, far=ratio > MODULE_FAR, local=local, budget=budget)
