@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.serialize import decode_args, flatten_tensors
 from ..comparators.accumulation import is_random_call
+from ..comparators.peers import reductions_in_dtype, reference_semantics
 from .references import reference_for
 
 __all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
@@ -299,8 +300,7 @@ class GoldenMode(TorchDispatchMode):
         return out
 
     def _decomposed(self, func: Any, args: Any, kwargs: Any) -> Any:
-        from torch._decomp import decomposition_table
-        decomp = decomposition_table.get(func)
+        decomp = reference_semantics(func)
         if decomp is None or reference_for(str(func)) is not None:
             return None
         low = self.round_to
@@ -309,7 +309,8 @@ class GoldenMode(TorchDispatchMode):
             return None
         down = lambda v: v.to(low) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
         try:
-            out = decomp(*torch.utils._pytree.tree_map(down, args), **torch.utils._pytree.tree_map(down, kwargs))
+            with reductions_in_dtype():
+                out = decomp(*torch.utils._pytree.tree_map(down, args), **torch.utils._pytree.tree_map(down, kwargs))
         except Exception:  # the decomposition does not run in that dtype: emulate by rounding
             return None
         if out is NotImplemented:

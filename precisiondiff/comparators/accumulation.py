@@ -29,7 +29,9 @@ __all__ = ["bind_schema", "accumulation_lengths", "magnitude_op", "is_random_cal
 _MAGNITUDE_OPS = frozenset({
     "mm", "bmm", "addmm", "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "linear",
     "sum", "mean", "convolution", "_convolution", "convolution_backward", "einsum", "cumsum",
-    "_scaled_mm", "embedding_dense_backward"})
+    "_scaled_mm", "embedding_dense_backward", "max_pool2d_with_indices_backward",
+    "max_pool3d_with_indices_backward", "avg_pool2d", "avg_pool2d_backward", "_adaptive_avg_pool2d",
+    "_adaptive_avg_pool2d_backward", "index_add", "scatter_add", "_embedding_bag"})
 
 
 def op_base_name(name: str) -> str:
@@ -170,6 +172,8 @@ def accumulation_lengths(op: Any, args: Sequence[Any], kwargs: Optional[Dict[str
         return _conv_backward(b, n_out)
     if "scaled_dot_product" in base:
         return _attention(b, base, n_out)
+    if "pool" in base and "kernel_size" in b and b["kernel_size"] is not None:
+        return [max(1, _prod(list(b["kernel_size"])))] * n_out
     if base == "embedding_dense_backward":
         s = _shape(b.get("indices"))
         return [max(1, _prod(s)) if s is not None else None] * n_out

@@ -27,9 +27,10 @@ Per-element ULP figures stay what is *reported*; this rule gives the verdict.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,10 +39,16 @@ from .tolerance import PEER_FACTOR, PEER_FACTOR_LOW
 from .ulp import float_format
 
 __all__ = ["PeerVerdict", "judge_against_peers", "significance_floor", "peer_factor", "peer_dtype", "compute_dtype",
-           "float32_peer", "decomposition_peer", "ACCUM_FACTOR"]
+           "float32_peer", "decomposition_peer", "element_scale", "reductions_in_dtype", "reference_semantics", "ACCUM_FACTOR", "SIGNIFICANCE", "MAX_FLOOR"]
 
 #: c of the accumulation term of the floor (Higham's gamma_K for K * u_acc <= 1/2, as the budgets).
 ACCUM_FACTOR = 2.0
+#: Elements smaller than this fraction of the tensor's RMS are judged by absolute error at that
+#: size in the max rule (msprobe's small-value rule, torch.testing's atol, scaled to the tensor).
+SIGNIFICANCE = 2.0 ** -6
+#: Slack of the max rule in its per-element unit (one ULP): a kernel may differ from a peer that
+#: happens to be correctly rounded by one rounding of its own.
+MAX_FLOOR = 1.0
 
 
 def peer_factor(dtype: torch.dtype) -> float:
@@ -86,14 +93,17 @@ class PeerVerdict:
     """The peer rule's judgement of one tensor.
 
     Attributes:
-        passed: within ``factor * peer error + floor`` and no unexplained NaN/Inf.
+        passed: both rules hold and no NaN/Inf goes unexplained.
         error: ``||d - g||_2 / ||g||_2`` (relative L2 of the kernel).
         peer_error: the larger relative L2 of the peers (0.0 when none ran).
         peers: each peer's relative L2 (``float32``, ``decomposition``).
-        floor: the significance floor, relative to ``||g||_2``.
-        factor: the ratio allowed.
+        floor: the L2 significance floor, relative to ``||g||_2``.
+        factor: the ratio allowed (both rules).
         bound: ``factor * peer_error + floor`` (relative).
-        ratio: ``error / bound``.
+        ratio: the worse of the two rules' ``error / bound``.
+        max_error, peer_max_error: the largest scaled error of the kernel and of the most lenient
+            peer, in units of the per-element scale (``ULP`` of the element or of the significance
+            threshold, plus the accumulation allowance).
         special_mismatch: NaN/Inf positions no peer explains.
         message: one line when it fails.
     """
@@ -106,6 +116,8 @@ class PeerVerdict:
     factor: float
     bound: float
     ratio: float
+    max_error: float
+    peer_max_error: float
     special_mismatch: int
     message: str = ""
 
@@ -115,12 +127,33 @@ class PeerVerdict:
             return repr(v) if isinstance(v, float) and not math.isfinite(v) else v
         return {"rule": "peer", "passed": self.passed, "error": safe(self.error), "peer_error": safe(self.peer_error),
                 "peers": {k: safe(v) for k, v in self.peers.items()}, "floor": safe(self.floor),
-                "factor": self.factor, "bound": safe(self.bound), "ratio": safe(self.ratio),
+                "factor": self.factor, "bound": safe(self.bound), "max_error": safe(self.max_error),
+                "peer_max_error": safe(self.peer_max_error), "ratio": safe(self.ratio),
                 "special_mismatch": self.special_mismatch}
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a == b) | (torch.isnan(a) & torch.isnan(b))
+
+
+def element_scale(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Optional[torch.Tensor] = None,
+                  k: Optional[int] = None) -> torch.Tensor:
+    """Per-element unit of the max rule: ``spacing(max(|g_i|, SIGNIFICANCE * rms(g)))`` in
+    ``dtype`` plus ``(ACCUM_FACTOR * K * u_acc + u) * magnitude_i``: one ULP of the element, or of
+    the significance threshold for elements far below the tensor's size (judged by absolute
+    error), plus what float32 accumulation of the op's magnitude may add and one rounding, in
+    the DUT dtype, of a partial result as large as the magnitude (a split or scattered sum:
+    an element that cancels is judged against what was summed into it)."""
+    from .ulp import ulp_spacing
+    g = torch.where(torch.isfinite(golden), golden, torch.zeros_like(golden)).abs()
+    rms = float(g.pow(2).mean().sqrt()) if g.numel() else 0.0
+    scale = ulp_spacing(torch.clamp(g, min=SIGNIFICANCE * rms), dtype).to(torch.float64)
+    if magnitude is not None and k:
+        u_acc = float_format(peer_dtype(dtype)).unit_roundoff
+        m = magnitude.detach().to(device=g.device, dtype=torch.float64).abs().flatten()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        scale = scale + (ACCUM_FACTOR * k * u_acc + float_format(dtype).unit_roundoff) * m
+    return scale
 
 
 def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[str, Optional[torch.Tensor]], *,
@@ -155,29 +188,44 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
     for p in ps.values():
         special &= ~_same(d, p)
     n_special = int(special.sum())
-    gf = torch.where(finite, g, torch.zeros_like(g))
+    zero = torch.zeros_like(g)
+    gf = torch.where(finite, g, zero)
     gnorm = float(torch.linalg.vector_norm(gf))
-    e_dut = float(torch.linalg.vector_norm(torch.where(finite, d - g, torch.zeros_like(g))))
-    e_peers = {}
+    mag = magnitude.detach().flatten() if magnitude is not None else None
+    scale = element_scale(gf, dtype, magnitude=mag, k=k)
+    e_dut = float(torch.linalg.vector_norm(torch.where(finite, d - g, zero)))
+    m_dut = float(torch.where(finite, (d - g).abs() / scale, zero).max()) if d.numel() else 0.0
+    e_peers, m_peers = {}, {}
     for n, p in ps.items():
         ok = finite & torch.isfinite(p)
-        e_peers[n] = float(torch.linalg.vector_norm(torch.where(ok, p - g, torch.zeros_like(g))))
+        e_peers[n] = float(torch.linalg.vector_norm(torch.where(ok, p - g, zero)))
+        m_peers[n] = float(torch.where(ok, (p - g).abs() / scale, zero).max()) if d.numel() else 0.0
     e_peer = max(e_peers.values(), default=0.0)
-    mag = magnitude.detach().flatten() if magnitude is not None else None
+    m_peer = max(m_peers.values(), default=0.0)
     floor = significance_floor(gf, dtype, magnitude=mag, k=k)
     bound = factor * e_peer + floor
-    passed = n_special == 0 and e_dut <= bound
+    m_bound = factor * m_peer + MAX_FLOOR
+    l2_ok = e_dut <= bound
+    max_ok = m_dut <= m_bound
+    passed = n_special == 0 and l2_ok and max_ok
     rel = (lambda e: e / gnorm) if gnorm > 0 else (lambda e: 0.0 if e == 0 else math.inf)
-    ratio = e_dut / bound if bound > 0 else (0.0 if e_dut == 0 else math.inf)
+    ratio = max(e_dut / bound if bound > 0 else (0.0 if e_dut == 0 else math.inf), m_dut / m_bound)
     message = ""
     if not passed:
         shown = ", ".join(f"{n} {rel(e):.3g}" for n, e in e_peers.items()) or "none ran"
-        message = (f"{what}: relative L2 error {rel(e_dut):.3g} exceeds {factor:g} x the emulated peers' "
-                   f"({shown}) + floor {rel(floor):.3g} = {rel(bound):.3g} ({ratio:.3g}x)")
+        parts = []
+        if not l2_ok:
+            parts.append(f"relative L2 error {rel(e_dut):.3g} exceeds {factor:g} x the emulated peers' "
+                         f"({shown}) + floor {rel(floor):.3g} = {rel(bound):.3g}")
+        if not max_ok:
+            shown_m = ", ".join(f"{n} {v:.3g}" for n, v in m_peers.items()) or "none ran"
+            parts.append(f"worst element {m_dut:.3g} ULP (of the element or the significance threshold) exceeds "
+                         f"{factor:g} x the emulated peers' ({shown_m}) + {MAX_FLOOR:g} = {m_bound:.3g}")
         if n_special:
-            message += f"; {n_special} NaN/Inf where the golden and every peer differ"
+            parts.append(f"{n_special} NaN/Inf where the golden and every peer differ")
+        message = f"{what}: " + "; ".join(parts)
     return PeerVerdict(passed, rel(e_dut), rel(e_peer), {n: rel(e) for n, e in e_peers.items()}, rel(floor),
-                       factor, rel(bound), ratio, n_special, message)
+                       factor, rel(bound), ratio, m_dut, m_peer, n_special, message)
 
 
 def _map_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -203,19 +251,59 @@ def float32_peer(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[st
             for o, dt in zip(outs, list(out_dtypes) + [None] * (len(outs) - len(out_dtypes)))]
 
 
+def _flash_attention_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
+                                  *, attn_mask=None, scale=None):
+    """The flash attention backward as the gradient of the math attention, every step in the
+    dtype of its inputs (``torch._decomp`` has no entry for it; autograd cannot run below the
+    dispatcher, so the gradient is written out)."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    s = (query @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    p = torch.softmax(s, -1)
+    dv = p.transpose(-2, -1) @ grad_out
+    dp = grad_out @ v.transpose(-2, -1)
+    ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
+    dq = (ds @ k) * scale
+    dk = (ds.transpose(-2, -1) @ query) * scale
+    if groups > 1:
+        dk = dk.unflatten(1, (key.shape[1], groups)).sum(2)
+        dv = dv.unflatten(1, (key.shape[1], groups)).sum(2)
+    return dq, dk, dv
+
+
+#: Reference semantics for backward ops that ``torch._decomp`` lacks: autograd of the forward's
+#: decomposition, run in the DUT dtype.
+_BACKWARD_SEMANTICS: Dict[str, Callable[..., Any]] = {
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": _flash_attention_cpu_backward,
+}
+
+
+def reference_semantics(func: Any) -> Optional[Callable[..., Any]]:
+    """PyTorch's own reference implementation of an op: its ``torch._decomp`` decomposition, or
+    for a backward op without one, autograd of its forward's decomposition. None if neither."""
+    from torch._decomp import decomposition_table
+    found = decomposition_table.get(func)
+    return found if found is not None else _BACKWARD_SEMANTICS.get(str(func))
+
+
 class _Decompose(TorchDispatchMode):
     """Run each op through its ``torch._decomp`` decomposition; count the ops that had none."""
 
     def __init__(self) -> None:
         super().__init__()
-        from torch._decomp import decomposition_table
-        self.table = decomposition_table
         self.missing: List[str] = []
         self.decomposed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
-        decomp = self.table.get(func)
+        decomp = reference_semantics(func)
         if decomp is not None:
             out = decomp(*args, **kwargs)
             if out is not NotImplemented:
@@ -227,6 +315,24 @@ class _Decompose(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def reductions_in_dtype() -> Iterator[None]:
+    """PyTorch's math attention in the dtype it is given: by default it upcasts bf16/fp16 to
+    float32 (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``, which the CPU math path
+    reads too); a reference semantics *in the DUT dtype* must not."""
+    flag = getattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp", None)
+    getter = getattr(torch._C, "_get_math_sdp_allow_fp16_bf16_reduction", None)
+    if flag is None or getter is None:
+        yield
+        return
+    before = getter()
+    flag(True)
+    try:
+        yield
+    finally:
+        flag(before)
+
+
 def decomposition_peer(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                        out_dtypes: Sequence[Optional[torch.dtype]]) -> Optional[List[Optional[torch.Tensor]]]:
     """``fn`` with every op it dispatches replaced by its ``torch._decomp`` decomposition, run in
@@ -234,7 +340,7 @@ def decomposition_peer(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
     no decomposition (it would run the kernel under judgement itself) or it fails."""
     mode = _Decompose()
     try:
-        with torch.no_grad(), mode:
+        with torch.no_grad(), reductions_in_dtype(), mode:
             outs = _flat(fn(*args, **kwargs))
     except Exception:  # the decomposition does not run for these inputs: no peer
         return None
