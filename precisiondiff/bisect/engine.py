@@ -19,7 +19,7 @@ from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backwar
                       replay_module_forward, replay_op)
 from .search import Finding, Judgement, Search, Unit
 
-__all__ = ["EngineInput", "EngineOutput", "run_search", "random_outputs_of", "DATA_MOVEMENT_OPS"]
+__all__ = ["EngineInput", "EngineOutput", "run_search", "random_outputs_of", "random_outputs_in_order", "DATA_MOVEMENT_OPS"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,14 @@ def _parents(events: List[UnitEvent]) -> Dict[int, Optional[int]]:
         after = [m for m in ms if m.seq > ev.seq]
         parents[ev.seq] = (after[0] if after else ms[-1]).seq
     return parents
+
+
+def random_outputs_in_order(events: List[UnitEvent]) -> List[List[torch.Tensor]]:
+    """The recorded outputs of every random op call (dropout masks), in execution order: a
+    reference run of the whole workload reuses them (:class:`~precisiondiff.bisect.isolate.GoldenMode`)."""
+    randoms = sorted((e for e in events if e.kind == "op" and _is_random(e)), key=lambda e: e.seq)
+    return [[r.load(s) for s in sorted((s for s in r.slots if s.startswith("output.") and r.slots[s][2]),
+                                       key=lambda s: int(s.split(".")[1]))] for r in randoms]
 
 
 def random_outputs_of(events: List[UnitEvent]) -> Callable[[UnitEvent], List[List[torch.Tensor]]]:
