@@ -21,9 +21,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from .op_classes import op_class
 
-__all__ = ["bind_schema", "accumulation_lengths", "magnitude_op", "is_random_call", "op_base_name"]
+__all__ = ["bind_schema", "accumulation_lengths", "magnitude_op", "is_random_call", "op_base_name",
+           "LastOp"]
 
 # Ops linear in each floating input: their magnitude is the op on |inputs| (|A| @ |B|).
 _MAGNITUDE_OPS = frozenset({
@@ -209,3 +212,30 @@ def is_random_call(op: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str,
     if op_base_name(str(overload)) == "native_dropout":
         return bool(b.get("train", True)) and bool(b.get("p", 0.0))
     return True
+
+
+class LastOp(TorchDispatchMode):
+    """Records the last op with floating outputs that a callable dispatched (``F.linear`` ->
+    ``aten.addmm``), so that a Python function gets its op's schema-derived K and magnitude.
+
+    Example:
+        >>> with LastOp() as rec:
+        ...     _ = torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3))
+        >>> str(rec.op), rec.ks
+        ('aten.mm.default', [3])
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op: Optional[Any] = None
+        self.ks: List[Optional[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not getattr(func, "is_view", False):
+            flat = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if any(t.is_floating_point() for t in flat):
+                self.op = func
+                self.ks = accumulation_lengths(func, args, kwargs, flat)
+        return out
