@@ -229,6 +229,9 @@ class LastOp(TorchDispatchMode):
         super().__init__()
         self.op: Optional[Any] = None
         self.ks: List[Optional[int]] = []
+        self.args: Any = ()
+        self.kwargs: Dict[str, Any] = {}
+        self.count = 0  # ops with floating outputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
@@ -236,6 +239,7 @@ class LastOp(TorchDispatchMode):
         if not getattr(func, "is_view", False):
             flat = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             if any(t.is_floating_point() for t in flat):
-                self.op = func
+                self.op, self.args, self.kwargs = func, args, kwargs
                 self.ks = accumulation_lengths(func, args, kwargs, flat)
+                self.count += 1
         return out

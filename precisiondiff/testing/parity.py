@@ -467,7 +467,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     dut_in = dut.prepare_inputs((inputs, kwargs))
     ref_in = move_inputs(dut_in, golden.device, golden.dtype)
     with torch.no_grad():
-        with dut.context():
+        with dut.context(), LastOp() as dut_op:
             actual = fn(*dut_in[0], **dut_in[1])
         with LastOp() as last:
             expected = fn(*ref_in[0], **ref_in[1])
@@ -503,7 +503,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         pv = judge_against_peers(out.detach(), exp.detach(), {}, magnitude=mag, k=k, dtype=cdt, what=key)
         if not pv.passed:
             if peers is None:
-                peers = _op_peers(fn, dut_in, golden, [o.dtype for _, o in outs])
+                peers = _op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op)
             pv = judge_against_peers(out.detach(), exp.detach(),
                                      {n: (p[index] if index < len(p) else None) for n, p in peers.items()},
                                      magnitude=mag, k=k, dtype=cdt, what=key)
@@ -515,18 +515,23 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     return result
 
 
-def _op_peers(fn: Callable[..., Any], dut_in: Any, golden: Target,
-              out_dtypes: List[torch.dtype]) -> Dict[str, List[Optional[torch.Tensor]]]:
+def _op_peers(fn: Callable[..., Any], dut_in: Any, golden: Target, out_dtypes: List[torch.dtype],
+              dut_op: Any) -> Dict[str, List[Optional[torch.Tensor]]]:
     """The emulated peers of ``fn`` on the DUT's inputs: per peer, its outputs in the order of
-    :func:`_keyed_outputs` (None where it could not run)."""
+    :func:`_keyed_outputs` (None where it could not run). The decomposition peer only when
+    ``fn`` dispatched one op (``dut_op``, a :class:`LastOp`): Python code around it would run
+    in the DUT dtype, its dtype-dependent branches included."""
     from ..comparators.peers import decomposition_peer, float32_peer, peer_dtype
     floating = [d for d in out_dtypes if d.is_floating_point]
     wide = max(floating, key=lambda d: torch.finfo(d).bits, default=torch.float32)
     up = move_inputs(dut_in, golden.device, peer_dtype(wide))
     same = move_inputs(dut_in, golden.device, None)
     found: Dict[str, List[Optional[torch.Tensor]]] = {}
-    for label, outs in (("float32", float32_peer(fn, up[0], up[1], out_dtypes)),
-                        ("decomposition", decomposition_peer(fn, same[0], same[1], out_dtypes))):
+    single = None
+    if dut_op.count == 1 and dut_op.op is not None:
+        op_in = move_inputs((list(dut_op.args), dict(dut_op.kwargs)), golden.device, None)
+        single = decomposition_peer(dut_op.op, op_in[0], op_in[1], out_dtypes)
+    for label, outs in (("float32", float32_peer(fn, up[0], up[1], out_dtypes)), ("decomposition", single)):
         if outs is not None:
             found[label] = outs
     return found
