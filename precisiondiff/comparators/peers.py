@@ -14,7 +14,7 @@ inputs (docs/comparators.md, "The peer rule"):
 With ``e(x) = ||x - g||_2`` over the elements finite in both, the kernel passes when::
 
     e(d) <= factor * max(e(float32 peer), e(decomposition peer)) + floor
-    floor = || u * |g| + accum_factor * K * u_acc * magnitude ||_2
+    floor = || max(u * |g|, spacing(g) / 2) + accum_factor * K * u_acc * magnitude ||_2
 
 ``factor`` is Dynamo ``same()``'s RMSE ratio (3 for 16-bit and 8-bit dtypes, 2 otherwise), ``u``
 the unit roundoff of ``T``, and the floor the L2 norm of the per-element allowance of one
@@ -78,9 +78,14 @@ def _known(dtype: torch.dtype) -> bool:
 
 def significance_floor(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Optional[torch.Tensor] = None,
                        k: Optional[int] = None) -> float:
-    """``|| u * |g| + ACCUM_FACTOR * K * u_acc * magnitude ||_2`` over the finite elements of ``golden``."""
+    """``|| max(u |g|, spacing(g) / 2) + ACCUM_FACTOR * K * u_acc * magnitude ||_2`` over the finite
+    elements of ``golden``: one correct rounding of every element (subnormals included) plus
+    float32 accumulation of the op's magnitude."""
+    from .ulp import ulp_spacing
     g = golden.detach().to(torch.float64)
-    allow = float_format(dtype).unit_roundoff * g.abs()
+    g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
+    # one correct rounding: u |g|, or half the (constant) spacing where g is subnormal or 0
+    allow = torch.maximum(float_format(dtype).unit_roundoff * g.abs(), 0.5 * ulp_spacing(g, dtype).to(torch.float64))
     if magnitude is not None and k:
         u_acc = float_format(peer_dtype(dtype)).unit_roundoff
         allow = allow + ACCUM_FACTOR * k * u_acc * magnitude.detach().to(device=g.device, dtype=torch.float64).abs()
