@@ -70,10 +70,9 @@ def test_transformer_kernels_within_budget(parity):
     parity.check(tiny_transformer.build)
 
 
-@pytest.mark.xfail(strict=True, reason="stock CPU kernel finding: aten.embedding_dense_backward "
-                   "accumulates bf16 gradient rows in bf16 (docs/bisect.md)")
 @pytest.mark.parity(kernels=True, direction="backward")
 def test_transformer_backward_kernels_within_budget(parity):
+    """Every backward op of the clean transformer passes the peer rule (docs/bisect.md)."""
     parity.check(tiny_transformer.build)
 
 

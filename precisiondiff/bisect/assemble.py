@@ -14,9 +14,13 @@ __all__ = ["unit_json", "assemble"]
 
 
 def unit_json(ev: UnitEvent, detail: Dict[str, Any]) -> Dict[str, Any]:
-    """``{"kind", "scope", "name", "direction", "call", "local", "budget"}`` of a unit."""
-    return {"kind": ev.kind, "scope": ev.scope, "name": ev.name, "direction": ev.direction,
-            "call": ev.call, "local": detail.get("local", {}), "budget": detail.get("budget", {})}
+    """``{"kind", "scope", "name", "direction", "call", "local", "budget"}`` of a unit, and for an
+    op its ``peer`` verdict (the rule that decided: docs/bisect.md)."""
+    out = {"kind": ev.kind, "scope": ev.scope, "name": ev.name, "direction": ev.direction,
+           "call": ev.call, "local": detail.get("local", {}), "budget": detail.get("budget", {})}
+    if detail.get("peer"):
+        out["peer"] = detail["peer"]
+    return out
 
 
 def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dict[str, float]],

@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.serialize import flatten_tensors
 from ..runtime.targets import Target
 from ..runtime.workload import Workload, run_workload
+from ..store.schema import tensor_key
 from .isolate import GoldenMode
 from .judge import parity_bound, rel_l2, unit_roundoff
 from .substitute import final_errors, replace_module_output
@@ -437,7 +438,7 @@ def _evidence(check: CompiledCheck, c: Dict[str, Any], out: Any, first: Optional
     for i, t in enumerate(check.inputs):
         if not t.is_floating_point():
             continue
-        key = f"{c['scope']}/{c['name']}#{c['call']}:forward:input.{i}"
+        key = tensor_key(c["scope"], c["name"], c["call"], "forward", f"input.{i}")
         ref = ref_tensor(key)
         ok = ref is not None and tuple(ref.shape) == tuple(t.shape)
         rows.append({"slot": f"input.{i}", "key": key, "rel_l2": rel_l2(t, ref) if ok else None})

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..store import schema
 from .isolate import UnitEvent
 from .judge import parity_bound, rel_l2
 
@@ -14,8 +15,8 @@ __all__ = ["tensor_key", "param_grads_of", "finals_of", "input_evidence"]
 
 
 def tensor_key(ev: UnitEvent, slot: str) -> str:
-    """``{scope}/{name}#{call}:{direction}:{slot}`` (DESIGN.md, "Dumps")."""
-    return f"{ev.scope}/{ev.name}#{ev.call}:{ev.direction}:{slot}"
+    """The store's key of an event's tensor (:func:`precisiondiff.store.schema.tensor_key`)."""
+    return schema.tensor_key(ev.scope, ev.name, ev.call, ev.direction, slot)
 
 
 def param_grads_of(events: List[UnitEvent]) -> Dict[str, Callable[[], torch.Tensor]]:

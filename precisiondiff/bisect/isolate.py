@@ -19,9 +19,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.serialize import decode_args, flatten_tensors
+from ..comparators.accumulation import is_random_call
+from ..comparators.peers import reductions_in_dtype, reference_semantics
 from .references import reference_for
 
-__all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op",
+__all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
            "replay_module_forward", "replay_module_backward", "FALLBACK_DTYPE"]
 
 FALLBACK_DTYPE = torch.float32  # inside module replays, for ops with no golden-dtype kernel
@@ -142,61 +144,83 @@ def _call(fn: Callable, args: Any, kwargs: Any, what: str) -> Any:
         raise Unreplayable(f"{what}: {type(err).__name__}: {str(err).splitlines()[0][:200]}") from err
 
 
-def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype,
-              magnitude: bool = False) -> "tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]":
+@dataclass
+class OpReplay:
+    """One op call replayed on the reference.
+
+    Attributes:
+        golden: the outputs computed from the DUT's inputs upcast to the reference dtype.
+        magnitudes: the op on ``|inputs|`` (ops linear in each input), else None.
+        ks: the accumulation length of each output, from the op's schema.
+        peers: called with the DUT output dtypes, computes the emulated peers
+            (:mod:`precisiondiff.comparators.peers`) from the DUT's own inputs:
+            ``{"float32": [...] or None, "decomposition": [...] or None}``.
+    """
+
+    golden: List[torch.Tensor]
+    magnitudes: Optional[List[torch.Tensor]]
+    ks: List[Optional[int]]
+    peers: Callable[[List[Optional[torch.dtype]]], Dict[str, Optional[List[Optional[torch.Tensor]]]]]
+
+
+def _keep_dtype(device: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.detach().to(device=device, copy=True)
+
+
+def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool = False) -> OpReplay:
     """Golden outputs of one op call, and (``magnitude``) the op applied to ``|inputs|``.
 
     Raises:
         Unreplayable: not recorded in replay mode, or the op fails on the golden target.
     """
+    from ..comparators.accumulation import accumulation_lengths
+    from ..comparators.peers import decomposition_peer, float32_peer, peer_dtype
     if not ev.args or not ev.args.get("replayable", False):
         raise Unreplayable(f"{ev.name}: arguments not recorded (capture with --mode replay)")
     fn = reference_for(ev.name) or resolve_op(ev.name)
     enc_args, enc_kwargs = ev.args.get("args", []), ev.args.get("kwargs", {})
 
-    def run(absolute: bool) -> List[torch.Tensor]:
-        tensor_of = _loader(ev, _upcaster(device, dtype, absolute=absolute))
+    def decode(convert: Callable[[torch.Tensor], torch.Tensor],
+               dmap: Callable[[torch.dtype], torch.dtype], absolute: bool = False) -> "tuple[Any, Any]":
+        tensor_of = _loader(ev, convert)
         try:
-            args = decode_args(enc_args, tensor_of, device=device, dtype_map=_dtype_map(dtype))
-            kwargs = decode_args(enc_kwargs, tensor_of, device=device, dtype_map=_dtype_map(dtype))
+            args = decode_args(enc_args, tensor_of, device=device, dtype_map=dmap)
+            kwargs = decode_args(enc_kwargs, tensor_of, device=device, dtype_map=dmap)
         except ValueError as err:
             raise Unreplayable(f"{ev.name}: {err}") from err
         if absolute:
             args, kwargs = _abs_scalars(args), _abs_scalars(kwargs)
-        with torch.no_grad():
-            return flatten_tensors(_call(fn, args, kwargs, ev.name))
+        return args, kwargs
 
-    golden = run(False)
+    def run(absolute: bool) -> "tuple[List[torch.Tensor], Any, Any]":
+        args, kwargs = decode(_upcaster(device, dtype, absolute=absolute), _dtype_map(dtype), absolute)
+        with torch.no_grad():
+            return flatten_tensors(_call(fn, args, kwargs, ev.name)), args, kwargs
+
+    golden, g_args, g_kwargs = run(False)
+    ks = accumulation_lengths(ev.name, g_args, g_kwargs, golden)
     mags = None
-    ev_k = accumulation_length(ev, golden)
-    ev.k = ev_k  # type: ignore[attr-defined]
     if magnitude:
         try:
-            mags = run(True)
+            mags = run(True)[0]
         except Unreplayable:
             mags = None
-    return golden, mags
 
+    def peers(out_dtypes: List[Optional[torch.dtype]]) -> Dict[str, Optional[List[Optional[torch.Tensor]]]]:
+        wide = max((d for d in out_dtypes if d is not None), key=lambda d: torch.finfo(d).bits, default=torch.float32)
+        up = peer_dtype(wide)
+        try:
+            a_args, a_kwargs = decode(_upcaster(device, up), _dtype_map(up))
+            d_args, d_kwargs = decode(_keep_dtype(device), lambda dt: dt)
+        except Unreplayable:
+            return {"float32": None, "decomposition": None}
+        found = {"float32": float32_peer(fn, a_args, a_kwargs, out_dtypes)}
+        # a registered reference or a custom op has no torch._decomp entry: only the float32 peer
+        found["decomposition"] = (decomposition_peer(fn, d_args, d_kwargs, out_dtypes)
+                                  if reference_for(ev.name) is None else None)
+        return found
 
-def accumulation_length(ev: UnitEvent, golden: List[torch.Tensor]) -> Optional[int]:
-    """K of the condition-aware bound: the contracted length of a matmul-like op, the number
-    of elements summed into each output of a reduction (inputs / outputs otherwise)."""
-    base = ev.name.split(".")[-2] if ev.name.count(".") >= 2 else ev.name
-    shapes = [info[1] for slot, info in sorted(ev.slots.items(), key=lambda kv: _slot_order(kv[0]))
-              if slot.startswith("input.") and _is_float_name(info[0])]
-    if not shapes or not golden:
-        return None
-    if base in ("mm", "bmm", "matmul", "baddbmm", "addbmm", "addmm", "addmv", "mv", "linear"):
-        mats = [s for s in shapes if len(s) >= 2]
-        if mats:
-            first = mats[0] if base not in ("addmm", "baddbmm", "addbmm", "addmv") or len(mats) < 2 else (
-                mats[1] if len(shapes[0]) < 2 or len(mats) > 2 else mats[0])
-            return max(1, int(first[-1]))
-    if base == "embedding_dense_backward":
-        return max(1, int(torch.Size(shapes[0]).numel() // max(1, shapes[0][-1])))
-    n_in = max(torch.Size(s).numel() for s in shapes)
-    n_out = max(1, golden[0].numel())
-    return max(1, n_in // n_out)
+    return OpReplay(golden, mags, ks, peers)
 
 
 class GoldenMode(TorchDispatchMode):
@@ -206,21 +230,37 @@ class GoldenMode(TorchDispatchMode):
         fallback: op names run in :data:`FALLBACK_DTYPE`; an op that raises in the golden
             dtype is added to it and rerun there (ops with no golden-dtype kernel).
         round_to: emulation: round each floating output to this dtype (and back).
+        decompose: with ``round_to``, emulate PyTorch's reference semantics instead: an op
+            with a ``torch._decomp`` decomposition runs it in ``round_to`` on its inputs rounded
+            to ``round_to`` (the math attention for a flash kernel, with its intermediate
+            roundings); other ops as above.
+        random_outputs: the DUT's outputs of the random ops (``torch.Tag.nondeterministic_seeded``)
+            of the replayed calls, in call order: each random op returns the next one (upcast)
+            instead of drawing fresh numbers, so the replay sees the DUT's own dropout masks.
         counter: optional dict; ``counter["ops"]`` is incremented per op (cost accounting).
     """
 
     def __init__(self, *, fallback: Optional[Set[str]] = None, round_to: Optional[torch.dtype] = None,
-                 counter: Optional[Dict[str, int]] = None) -> None:
+                 counter: Optional[Dict[str, int]] = None, decompose: bool = False,
+                 random_outputs: Optional[List[List[torch.Tensor]]] = None) -> None:
         super().__init__()
         self.fallback = fallback or set()
         self.round_to = round_to
         self.counter = counter
+        self.decompose = decompose and round_to is not None
+        self.random_outputs = list(random_outputs or [])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         name = str(func)
         if self.counter is not None:
             self.counter["ops"] = self.counter.get("ops", 0) + 1
+        if is_random_call(func, args, kwargs):
+            return self._recorded(func, args, kwargs)
+        if self.decompose and not func._schema.is_mutable and not getattr(func, "is_view", False):
+            out = self._decomposed(func, args, kwargs)
+            if out is not None:
+                return out
         ref = reference_for(name)
         if ref is not None:
             out = ref(*args, **kwargs)
@@ -245,6 +285,38 @@ class GoldenMode(TorchDispatchMode):
                 return v
             out = torch.utils._pytree.tree_map(rnd, out)
         return out
+
+    def _recorded(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """A random op: the DUT's next recorded outputs, written where the op writes."""
+        out = func(*args, **kwargs)  # shapes, aliasing (in-place ops return their input)
+        if not self.random_outputs:
+            return out
+        recorded = self.random_outputs.pop(0)
+        flat = flatten_tensors(out)
+        with torch.no_grad():
+            for t, r in zip(flat, recorded):
+                if tuple(t.shape) == tuple(r.shape):
+                    t.copy_(r.to(device=t.device, dtype=t.dtype))
+        return out
+
+    def _decomposed(self, func: Any, args: Any, kwargs: Any) -> Any:
+        decomp = reference_semantics(func)
+        if decomp is None or reference_for(str(func)) is not None:
+            return None
+        low = self.round_to
+        golden = next((a.dtype for a in flatten_tensors((args, kwargs)) if a.is_floating_point()), None)
+        if golden is None:
+            return None
+        down = lambda v: v.to(low) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+        try:
+            with reductions_in_dtype():
+                out = decomp(*torch.utils._pytree.tree_map(down, args), **torch.utils._pytree.tree_map(down, kwargs))
+        except Exception:  # the decomposition does not run in that dtype: emulate by rounding
+            return None
+        if out is NotImplemented:
+            return None
+        return torch.utils._pytree.tree_map(
+            lambda v: v.to(golden) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
 
     @staticmethod
     def _in_fallback(func: Any, args: Any, kwargs: Any) -> Any:
@@ -335,6 +407,12 @@ def replay_module_backward(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitE
                 pairs.append((outs[i], up(bwd.load(slot))))
         if not pairs:
             raise Unreplayable(f"{bwd.scope}: no output of the replayed module needs a gradient")
+        # A recorded grad_output is the whole gradient of that output, including what flows back
+        # into it from inside the module (T5's encoder output also feeds its decoder): the hook
+        # makes it the output's gradient instead of adding the module's own share a second time.
+        for o, g in pairs:
+            if o.grad_fn is not None:
+                o.register_hook(lambda _grad, _g=g: _g)
         _call(lambda: torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs]),
               [], {}, f"module {bwd.scope or '<root>'} backward")
     golden: Dict[str, torch.Tensor] = {}

@@ -22,9 +22,10 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -34,19 +35,13 @@ from ..comparators.tolerance import END_TO_END_FACTOR
 from ..compare.dumps import NOISE_FACTOR
 
 __all__ = ["MODULE_OVER", "MODULE_FAR", "PARITY_FACTOR", "OpJudgement", "judge_op_outputs",
-           "judge_module", "judge_standin", "StandInJudgement", "rel_l2", "unit_roundoff", "magnitude_op", "parity_bound",
+           "judge_module", "judge_standin", "StandInJudgement", "rel_l2", "unit_roundoff", "parity_bound", "OpOutput",
            "NOISE_FACTOR", "max_abs_error"]
 
 # Module rule factors (see the module docstring and docs/bisect.md).
 MODULE_OVER = 3.0   # beyond what correctly rounded execution of its ops explains
 MODULE_FAR = 10.0   # far beyond it: the module itself is blamed even when all its ops pass
 PARITY_FACTOR = END_TO_END_FACTOR  # final relative L2 error allowed, in unit roundoffs (comparators)
-
-# Ops whose magnitude is the op applied to |inputs| (linear in each floating input).
-_MAGNITUDE_OPS = {"mm", "bmm", "addmm", "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot",
-                  "linear", "sum", "mean", "convolution", "_convolution", "einsum", "cumsum",
-                  "_scaled_mm", "embedding_dense_backward"}
-
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """``2**-p`` for a floating dtype with ``p`` significand bits (bf16: 2**-8)."""
@@ -100,22 +95,31 @@ def max_abs_error(pairs: Sequence[tuple]) -> float:
     return worst
 
 
-def magnitude_op(name: str) -> bool:
-    """Whether the op's budget takes a magnitude computed as the op on ``|inputs|``."""
-    parts = name.split(".")
-    return len(parts) >= 3 and parts[-3] == "aten" and parts[-2] in _MAGNITUDE_OPS
+@dataclass
+class OpOutput:
+    """One floating output of an op call to judge: the DUT's tensor, the golden, and the
+    magnitude and accumulation length K that go with it (from the op's schema)."""
+
+    slot: str
+    index: int
+    dut: torch.Tensor
+    golden: torch.Tensor
+    magnitude: Optional[torch.Tensor] = None
+    k: Optional[int] = None
+    compute_dtype: Optional[torch.dtype] = None
 
 
 @dataclass
 class OpJudgement:
-    """An op's local error against its budget.
+    """An op's local error: the peer rule's verdict, and the per-op budget figures reported with it.
 
     Attributes:
-        passed: every floating output is within budget.
+        passed: every floating output passes the peer rule.
         local: the worst output's metrics (comparators' TensorMetrics as a dict).
-        budget: that output's budget (as a dict).
+        budget: that output's ULP budget (as a dict) with ``ulp_passed``: reported, not the verdict.
         slot: the worst output's slot.
-        message: the comparators' mismatch message for it, if it failed.
+        message: why it failed (the peer rule's line, then the budget's mismatch message).
+        peer: that output's peer verdict (:meth:`PeerVerdict.as_dict`).
     """
 
     passed: bool
@@ -123,6 +127,7 @@ class OpJudgement:
     budget: Dict[str, Any] = field(default_factory=dict)
     slot: str = "output.0"
     message: str = ""
+    peer: Dict[str, Any] = field(default_factory=dict)
 
 
 def _as_float(value: Any) -> float:
@@ -134,27 +139,57 @@ def _as_float(value: Any) -> float:
     return math.inf if math.isnan(value) else float(value)
 
 
-def judge_op_outputs(name: str, outputs: Sequence[tuple], *, k: Optional[int] = None,
+def judge_op_outputs(name: str, outputs: Sequence[OpOutput], peers: Callable[[], Dict[str, Any]], *,
                      module_class: Optional[str] = None,
                      overrides: Optional[Dict[str, Dict[str, Any]]] = None) -> OpJudgement:
-    """Judge an op's outputs: ``outputs`` is ``[(slot, dut, golden, magnitude or None), ...]``;
-    ``k`` is the accumulation length that goes with the magnitudes.
+    """Judge an op's outputs by the peer rule (:mod:`precisiondiff.comparators.peers`).
 
-    The DUT tensor's dtype picks the budget; the comparison runs in float64.
+    ``peers()`` computes the emulated peers (``{"float32": [...], "decomposition": [...]}``,
+    indexed like the op's outputs); it is called only when some output's error is above the
+    significance floor, so most ops cost one replay. The comparators' per-op ULP budget is
+    measured too and reported (``budget.ulp_passed``), but it does not decide.
     """
+    from ..comparators.peers import judge_against_peers
     from . import _compat
     worst: Optional[OpJudgement] = None
-    for slot, dut, golden, magnitude in outputs:
-        budget = _compat.budget_for_op(name, dut.dtype, module_class, overrides)
-        verdict = _compat.check(budget, dut, golden, magnitude, k if magnitude is not None else None, slot)
-        metrics = _compat.metrics(dut, golden)
-        current = OpJudgement(passed=verdict.passed, local=metrics, budget=_compat.as_dict(budget),
-                              slot=slot, message=_compat.message(verdict, slot))
-        score = _as_float(metrics.get("max_ulp"))
+    computed: Optional[Dict[str, Any]] = None
+    for out in outputs:
+        budget = _compat.budget_for_op(name, out.dut.dtype, module_class, overrides)
+        k = out.k if out.magnitude is not None and out.k else None
+        ulp = _compat.check(budget, out.dut, out.golden, out.magnitude if k else None, k, out.slot)
+        metrics = _compat.metrics(out.dut, out.golden)
+        verdict = judge_against_peers(out.dut, out.golden, {}, magnitude=out.magnitude, k=out.k,
+                                      dtype=out.compute_dtype, what=out.slot)
+        if not verdict.passed and not _overridden(name, budget, overrides):
+            if computed is None:
+                computed = peers()
+            found = {n: (p[out.index] if p is not None and out.index < len(p) else None) for n, p in computed.items()}
+            verdict = judge_against_peers(out.dut, out.golden, found, magnitude=out.magnitude, k=out.k,
+                                          dtype=out.compute_dtype, what=out.slot)
+        elif not verdict.passed:  # a budget override for this op: the user's budget decides
+            verdict = dataclasses.replace(verdict, passed=ulp.passed)
+        bud = dict(_compat.as_dict(budget), ulp_passed=bool(ulp.passed))
+        if k:
+            bud["k"] = k
+        message = "" if verdict.passed else "\n".join(
+            m for m in (verdict.message, _compat.message(ulp, out.slot)) if m)
+        current = OpJudgement(passed=verdict.passed, local=metrics, budget=bud, slot=out.slot,
+                              message=message, peer=verdict.as_dict())
+        score = verdict.ratio
         if (worst is None or (not current.passed and worst.passed)
-                or (current.passed == worst.passed and score > _as_float(worst.local.get("max_ulp")))):
+                or (current.passed == worst.passed and score > _as_float(worst.peer.get("ratio")))):
             worst = current
     return worst if worst is not None else OpJudgement(passed=True)
+
+
+def _overridden(name: str, budget: Any, overrides: Optional[Dict[str, Dict[str, Any]]]) -> bool:
+    """Whether a ``--budget`` override applies to this op (``*``, its dtype, its class or its
+    name): then the overridden ULP budget may accept what the peer rule does not."""
+    from . import _compat
+    if not overrides:
+        return False
+    plain = (_compat.as_dict(budget).get("dtype"), _compat.as_dict(budget).get("op_class"), "*")
+    return any(key in plain or ("." in key and (name == key or name.startswith(key + "."))) for key in overrides)
 
 
 @dataclass
@@ -168,13 +203,16 @@ class ModuleJudgement:
 
 
 def judge_module(pairs: Sequence[tuple], dtype: torch.dtype) -> ModuleJudgement:
-    """``pairs`` is ``[(dut, golden, emulated or None), ...]`` for every output the module gives.
+    """``pairs`` is ``[(dut, golden, emulated), ...]`` for every output the module gives;
+    ``emulated`` is one tensor, a tuple of emulations (the larger error counts: rounding every
+    op's output, and PyTorch's reference semantics in the DUT dtype), or None ("not computed":
+    the DUT error was already below the floor, so it cannot be over).
 
-    Errors are summed over outputs (squared L2). ``emulated`` None means "not computed" (the DUT
-    error was already below the floor, so it cannot be over).
+    Errors are summed over outputs (squared L2).
     """
     u = unit_roundoff(dtype)
-    e_dut2 = e_emu2 = g2 = 0.0
+    e_dut2 = g2 = 0.0
+    e_emu2: list = []
     for dut, golden, emulated in pairs:
         g = golden.detach().to(torch.float64)
         d = dut.detach().to(device=g.device, dtype=torch.float64)
@@ -182,14 +220,22 @@ def judge_module(pairs: Sequence[tuple], dtype: torch.dtype) -> ModuleJudgement:
             e_dut2 = math.inf
         g2 += float(torch.nan_to_num(g).pow(2).sum())
         e_dut2 += float(torch.nan_to_num(d - g, nan=0.0, posinf=math.inf, neginf=math.inf).pow(2).sum())
-        if emulated is not None:
-            em = emulated.detach().to(device=g.device, dtype=torch.float64)
-            e_emu2 += float(torch.nan_to_num(em - g, nan=0.0).pow(2).sum())
-    e_dut, e_emu, gnorm = math.sqrt(e_dut2), math.sqrt(e_emu2), math.sqrt(g2)
+        ems = emulated if isinstance(emulated, (tuple, list)) else (emulated,)
+        for j, em in enumerate(ems):
+            if em is None:
+                continue
+            em = em.detach().to(device=g.device, dtype=torch.float64)
+            while len(e_emu2) <= j:
+                e_emu2.append(0.0)
+            if em.shape == g.shape:
+                e_emu2[j] += float(torch.nan_to_num(em - g, nan=0.0).pow(2).sum())
+    e_dut, e_emu, gnorm = math.sqrt(e_dut2), math.sqrt(max(e_emu2, default=0.0)), math.sqrt(g2)
     explained = max(e_emu, u * gnorm)
     ratio = e_dut / explained if explained > 0 else (0.0 if e_dut == 0 else math.inf)
     local = {"rel_l2": e_dut / gnorm if gnorm else (0.0 if e_dut == 0 else math.inf),
              "rel_l2_emulated": e_emu / gnorm if gnorm else 0.0, "ratio_to_rounding": ratio}
+    if len(e_emu2) > 1 and gnorm:
+        local["rel_l2_emulations"] = [math.sqrt(e) / gnorm for e in e_emu2]
     budget = {"rule": "emulated-rounding", "over_factor": MODULE_OVER, "far_factor": MODULE_FAR,
               "unit_roundoff": u}
     return ModuleJudgement(over=ratio > MODULE_OVER, far=ratio > MODULE_FAR, local=local, budget=budget)

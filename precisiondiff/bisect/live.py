@@ -13,7 +13,8 @@ from ..runtime.targets import Target, default_dut
 from ..runtime.workload import Workload, call_model, load_workload, run_workload
 from . import compiled
 from .assemble import assemble
-from .engine import EngineInput, EngineOutput, run_search
+from ..store.schema import tensor_key
+from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_search
 from .evidence import input_evidence, param_grads_of
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .result import BisectResult
@@ -70,16 +71,23 @@ def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, 
     return overrides
 
 
-def run_reference(wl: Workload, ref: Target) -> "tuple[Any, Callable[[str], Optional[torch.Tensor]], List[str]]":
+def run_reference(wl: Workload, ref: Target, dut_events: Optional[List[UnitEvent]] = None
+                  ) -> "tuple[Any, Callable[[str], Optional[torch.Tensor]], List[str]]":
     """Run the workload on the reference, captured at op and module level (tensors kept in
     memory): the final outputs, a ``key -> tensor`` lookup for the evidence on the culprit's
-    inputs, and notes (ops that had no reference-dtype kernel and ran in float32)."""
+    inputs, and notes (ops that had no reference-dtype kernel and ran in float32).
+
+    ``dut_events``: the DUT's recorded events; its random ops' outputs (dropout masks) are
+    reused, in order, so both runs see the same draws (random ops are data).
+    """
     sink = MemorySink()
     model = ref.prepare_model(wl.model)
     model.train(wl.train)
-    with GoldenMode(fallback=set()) as mode, capture(model=model, level="all", mode="tensors", sink=sink):
+    randoms = random_outputs_in_order(dut_events or [])
+    with GoldenMode(fallback=set(), random_outputs=randoms) as mode, \
+            capture(model=model, level="all", mode="tensors", sink=sink):
         result = run_workload(wl, ref, model=model)
-    records = {f"{e['scope']}/{e['name']}#{e['call']}:{e['direction']}:{r['slot']}": r
+    records = {tensor_key(e["scope"], e["name"], e["call"], e["direction"], r["slot"]): r
                for e in sink.events for r in e["tensors"] if r["data_key"] is not None}
     notes = ([f"the reference run computed {', '.join(sorted(mode.fallback))} in float32: no "
               f"{str(ref.dtype).removeprefix('torch.')} kernel"] if mode.fallback else [])
@@ -183,7 +191,7 @@ def golden_of_culprit(ev: UnitEvent, events: List[UnitEvent], module_of: Callabl
                       ref: Target, dut_dtype: torch.dtype, unreplayable: List[str]) -> Dict[str, torch.Tensor]:
     """The culprit's golden outputs (``output.N`` / ``grad_input.N``) for substitution."""
     if ev.kind == "op":
-        golden, _ = replay_op(ev, device=ref.device, dtype=ref.dtype)
+        golden = replay_op(ev, device=ref.device, dtype=ref.dtype).golden
         return {f"output.{i}": g for i, g in enumerate(golden)}
     template = module_of(ev.scope)
     mode = GoldenMode(fallback=set(unreplayable))
@@ -303,11 +311,11 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         result = run_workload(wl, dut, model=model, inputs=inputs)
     dut.synchronize()
     capture_s = time.perf_counter() - t0
-    ref_result, ref_tensor, notes_ref = run_reference(wl, ref_t)
+    events = events_from_sink(sink)
+    ref_result, ref_tensor, notes_ref = run_reference(wl, ref_t, events)
     final = final_errors(result.output, result.loss, _grads(model), ref_result.output,
                          ref_result.loss, _grads(ref_result.model))
 
-    events = events_from_sink(sink)
     noise_floor: Optional[Dict[NoiseKey, float]] = None
     noise_s = 0.0
     if noise:

@@ -143,7 +143,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         ref_tensor = lambda key: rd.tensor(key) if key in keys and rd.record(key).has_data else None
         ref_runs = 0
     elif wl is not None:
-        ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t)
+        ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events)
         ref_output, ref_grads = ref_result.output, {n: p.grad for n, p in ref_result.model.named_parameters()
                                                     if p.grad is not None}
         notes += ref_notes

@@ -23,8 +23,14 @@ def summary_lines(r: BisectResult) -> List[str]:
         if c["kind"] == "compiled_region":
             lines.extend(_region_lines(c))
         elif c["kind"] == "op":
-            lines.append(f"  local error: max {_num(loc.get('max_ulp_error', loc.get('max_ulp')))} ULP, "
-                         f"max rel {_num(loc.get('max_rel_err', loc.get('max_rel')))}; budget "
+            peer = c.get("peer") or {}
+            if peer:
+                peers = ", ".join(f"{n} {_num(v)}" for n, v in (peer.get("peers") or {}).items()) or "none ran"
+                lines.append(f"  peer rule: rel-L2 {_num(peer.get('error'))} vs correct peers in its dtype ({peers}), "
+                             f"bound {_num(peer.get('bound'))}; worst element {_num(peer.get('max_error'))} vs "
+                             f"peers' {_num(peer.get('peer_max_error'))} (x{_num(peer.get('factor'))} + 1)")
+            lines.append(f"  reported: max {_num(loc.get('max_ulp_error', loc.get('max_ulp')))} ULP, "
+                         f"max rel {_num(loc.get('max_rel_err', loc.get('max_rel')))}; ULP budget "
                          f"{bud.get('op_class', '?')} {bud.get('dtype', '')} max_ulp={_num(bud.get('max_ulp', bud.get('rounding_ulps')))}")
         else:
             lines.append(f"  local error {_num(loc.get('rel_l2'))} rel-L2 = {_num(loc.get('ratio_to_rounding'))}x "

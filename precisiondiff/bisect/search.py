@@ -161,7 +161,9 @@ class Search:
                 self._op_offending.append(uid)
             return
         self._queue.pop(0)
-        if not judgement.replayable:
+        # a module that cannot be replayed (arguments not recorded) hands an unreplayable *op*
+        # up to its parent; one whose ops were all judged on their own has nothing to hand up
+        if not judgement.replayable and self._holds_unreplayable.get(uid, False):
             self._mark_unreplayable(unit)
         if not judgement.replayable or judgement.over or uid in self._forced:
             for child in self.children.get(uid, []):

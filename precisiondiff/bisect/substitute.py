@@ -8,6 +8,7 @@ through a forward hook (forward) or a full backward hook (backward, replacing ``
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, Iterator, List
 
 import torch
@@ -90,7 +91,11 @@ def replace_module_output(module: torch.nn.Module, direction: str, call: int,
     handle = (module.register_forward_hook(fwd) if direction == "forward"
               else module.register_full_backward_hook(bwd))
     try:
-        yield done
+        with warnings.catch_warnings():
+            # a module returning a ModelOutput (transformers) gets no backward hook call: torch
+            # warns, the substitution is reported as not done (``done`` stays False)
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")
+            yield done
     finally:
         handle.remove()
 

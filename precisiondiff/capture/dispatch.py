@@ -33,8 +33,18 @@ _OVERWRITES_SELF = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tenso
                     "aten.normal_.default", "aten.uniform_.default", "aten.bernoulli_.float"}
 
 
+def _storage(t: torch.Tensor) -> Any:
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # tensors without storage (fakes, some subclasses)
+        return id(t)
+
+
 def _overwritten(name: str, args: tuple, kwargs: dict) -> set:
-    ids = {id(v) for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)}
+    """Tensors the op writes without reading: an ``out=`` destination (unless it is also an
+    input, as in ``torch.add(h, x, out=h)``: then it is read first and recorded as one)."""
+    read = {_storage(t) for t in flatten_tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))}
+    ids = {id(v) for v in flatten_tensors(kwargs.get("out")) if _storage(v) not in read}
     if name in _OVERWRITES_SELF and args and isinstance(args[0], torch.Tensor):
         ids.add(id(args[0]))
     return ids

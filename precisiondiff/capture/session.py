@@ -113,8 +113,11 @@ def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int
     # what an outer module needs to skip this call: its input nodes, and its edges with the
     # identity of the node each one reaches (to be matched against the outer call's inputs)
     # (a key, id(grad_fn) or ("leaf", id(tensor)), names the same input in every call's boundary)
+    # An output that is one of the inputs (an identity module: Dropout in eval mode) created no
+    # node: a shortcut there would hide, from an outer module, the nodes that produced it.
     for node in outputs:
-        shortcuts[id(node)] = (boundary.nodes, edges)
+        if boundary.key(node) is None:
+            shortcuts[id(node)] = (boundary.nodes, edges)
     return edges
 
 

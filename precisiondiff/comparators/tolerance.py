@@ -1,19 +1,25 @@
-"""Budgets: how much error an op of a given class and dtype may have, and verdicts.
+"""Budgets: how much error an op of a given class and dtype may have (the defaults table).
 
 Metrics measure (metrics.py); a :class:`Budget` judges either tensors (:meth:`Budget.check`,
 element-wise, condition-aware) or saved metrics (:meth:`Budget.judge_metrics`). Every default
-lives in ``_DEFAULTS`` below; docs/comparators.md explains each number.
+lives in ``_DEFAULTS`` below; docs/comparators.md explains each number. Overrides are parsed
+in overrides.py, verdicts and their message in verdict.py, whole-tensor bounds in bounds.py
+(all re-exported here).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
+from .bounds import END_TO_END_FACTOR, end_to_end_bound, peer_ratio_check
 from .metrics import TensorMetrics
 from .op_classes import OP_CLASSES, op_class
+from .overrides import apply_override, dtype_of, parse_budget_overrides
+from .verdict import Verdict, format_mismatch
+from .verdict import hint as _hint
 from .ulp import (
     ComparatorError,
     float_format,
@@ -78,24 +84,6 @@ _DEFAULTS: Dict[str, Dict[str, Tuple[float, float, float]]] = {
 }
 _DEFAULTS["float64"] = _DEFAULTS["float32"]  # the same ULP counts (of float64's own spacing)
 
-#: Peer ratio standard (Dynamo ``same()``): factor 3 for 16-bit and fp8, 2 otherwise;
-#: floor = Dynamo's tol / 10 with its default tol 1e-4.
-PEER_FACTOR_LOW = 3.0
-PEER_FACTOR = 2.0
-PEER_FLOOR = 1e-5
-
-
-def _dtype_of(dtype: Union[str, torch.dtype]) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        float_format(dtype)
-        return dtype
-    dt = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise ComparatorError(f"unknown dtype {dtype!r}")
-    float_format(dt)
-    return dt
-
-
 def _group(dt: torch.dtype) -> str:
     return "float64" if dt == torch.float64 else "float32" if dt == torch.float32 else "low"
 
@@ -130,7 +118,7 @@ class Budget:
     @property
     def u_acc(self) -> float:
         """Unit roundoff of ``accum_dtype``."""
-        return float_format(_dtype_of(self.accum_dtype)).unit_roundoff
+        return float_format(dtype_of(self.accum_dtype)).unit_roundoff
 
     def describe(self, *, k: Optional[int] = None, with_magnitude: bool = False) -> str:
         """The bound as text, e.g. ``1 ULP + 2*K*u(float32)*magnitude, K=256``."""
@@ -178,7 +166,7 @@ class Budget:
             raise ComparatorError(
                 f"{what}: give magnitude= and k= together (the bound is "
                 "accum_factor * k * u_acc * magnitude)")
-        dt = _dtype_of(self.dtype)
+        dt = dtype_of(self.dtype)
         a = actual.to(torch.float64)
         g = golden.to(device=actual.device, dtype=torch.float64)
         sp = ulp_spacing(g, dt)
@@ -253,109 +241,6 @@ class Budget:
             v, rule=self.describe(), hint=_hint(self, False)))
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """A budget's judgement of one tensor.
-
-    Attributes:
-        passed: No element over its bound and no NaN/Inf mismatch.
-        what: Tensor name used in ``message``.
-        numel: Elements judged.
-        n_over: Elements over the bound (None when judged from metrics and unknown).
-        fraction_over: ``n_over / numel``.
-        worst_index: Index of the element with the largest error/bound ratio (None from
-            metrics).
-        worst_actual, worst_golden: Its values.
-        worst_abs_err, worst_rel_err, worst_ulp_error: Its errors (from metrics: the maxima).
-        worst_bound: The bound at that element (absolute; from metrics: in ULPs).
-        nan_mismatch, inf_mismatch: Special-value mismatches (always failures).
-        budget: The :class:`Budget` that judged.
-        message: The one mismatch message (see :func:`format_mismatch`).
-    """
-
-    passed: bool
-    what: str
-    numel: int
-    n_over: Optional[int]
-    fraction_over: float
-    worst_index: Optional[Tuple[int, ...]]
-    worst_actual: float
-    worst_golden: float
-    worst_abs_err: float
-    worst_rel_err: float
-    worst_ulp_error: float
-    worst_bound: float
-    nan_mismatch: int
-    inf_mismatch: int
-    budget: Budget
-    message: str
-
-
-def _hint(b: Budget, with_magnitude: bool) -> str:
-    if b.op_class in ("matmul", "reduction", "normalization", "softmax") and not with_magnitude:
-        return ("pass magnitude= (e.g. |A|@|B|) and k= to judge against the input condition, "
-                "or bisect to see whether this op's own arithmetic is at fault.")
-    if with_magnitude:
-        return (f"the error exceeds {b.accum_dtype} accumulation; check the kernel's accumulation "
-                "dtype and order (precisiondiff bisect names the op).")
-    return ("replay the op on the reference with the same inputs (precisiondiff bisect); if the "
-            "kernel is approximate by design, override max_ulp for it.")
-
-
-def format_mismatch(v: Verdict, *, rule: str, hint: str) -> str:
-    """The one mismatch message format (STYLE.md habit 5).
-
-    ``WHAT: N of M elements (P%) exceed the DTYPE OP_CLASS budget.`` then the worst element
-    with index, values and abs/rel/ULP error, the bound allowed, NaN/Inf mismatches when any,
-    and ``Hint:``. A pass is one line.
-    """
-    b = v.budget
-    if v.passed:
-        return (f"{v.what}: all {v.numel} elements within the {b.dtype} {b.op_class} budget "
-                f"({rule}); worst {v.worst_ulp_error:.3g} ULP.")
-    count = "?" if v.n_over is None else str(v.n_over)
-    frac = "" if v.n_over is None else f" ({100 * v.fraction_over:.3g}%)"
-    if v.worst_index is None:
-        where = "Worst"
-        vals = ""
-    else:
-        where = f"Worst at index {v.worst_index}"
-        vals = f": actual {v.worst_actual!r}, golden {v.worst_golden!r}"
-    lines = [
-        f"{v.what}: {count} of {v.numel} elements{frac} exceed the {b.dtype} {b.op_class} budget.",
-        f"{where}{vals}: abs err {v.worst_abs_err:.3g}, rel err {v.worst_rel_err:.3g}, "
-        f"{v.worst_ulp_error:.3g} ULP; bound {v.worst_bound:.3g} ({rule}).",
-    ]
-    if v.nan_mismatch or v.inf_mismatch:
-        lines.append(f"NaN mismatches: {v.nan_mismatch}, Inf mismatches: {v.inf_mismatch}.")
-    lines.append(f"Hint: {hint}")
-    return "\n".join(lines)
-
-
-_FIELDS = {"max_ulp", "rounding_ulps", "accum_factor", "accum_dtype"}
-
-
-def _apply(b: Budget, key: str, changes: Mapping[str, Any]) -> Budget:
-    if not isinstance(changes, Mapping):
-        raise ComparatorError(f"budget override for {key!r} must be a dict, got {changes!r}")
-    kw: Dict[str, Any] = {}
-    for name, val in changes.items():
-        if name not in _FIELDS:
-            raise ComparatorError(
-                f"unknown budget field {name!r} for {key!r}; fields: {', '.join(sorted(_FIELDS))}")
-        if name == "accum_dtype":
-            kw[name] = str(_dtype_of(val)).replace("torch.", "")
-            continue
-        try:
-            f = float(val)
-        except (TypeError, ValueError):
-            raise ComparatorError(f"budget {key!r}: {name} must be a number, got {val!r}") from None
-        if not (f >= 0 and math.isfinite(f)):
-            raise ComparatorError(f"budget {key!r}: {name} must be finite and >= 0, got {val!r}")
-        kw[name] = f
-    return replace(b, **kw)
-
-
 def budget_for(
     dtype: Union[str, torch.dtype],
     op: str,
@@ -386,7 +271,7 @@ def budget_for(
         ...            overrides={"aten.gelu.default": {"max_ulp": 4}}).max_ulp
         4.0
     """
-    dt = _dtype_of(dtype)
+    dt = dtype_of(dtype)
     cls = op if op in OP_CLASSES else op_class(op)
     max_ulp, rounding, accum = _DEFAULTS[_group(dt)][cls]
     name = str(dt).replace("torch.", "")
@@ -397,13 +282,13 @@ def budget_for(
     ordered = ["*", name, cls]
     for key in ordered:
         if key in overrides:
-            b = _apply(b, key, overrides[key])
+            b = apply_override(b, key, overrides[key])
     if op not in OP_CLASSES:
         for key, changes in sorted(overrides.items(), key=lambda kv: len(kv[0])):
             if key in ordered or key in OP_CLASSES:
                 continue
             if op == key or op.startswith(key + "."):
-                b = _apply(b, key, changes)
+                b = apply_override(b, key, changes)
     return b
 
 
@@ -424,103 +309,3 @@ def condition_bound(
     return b.accum_factor * k * b.u_acc * magnitude.to(torch.float64).abs()
 
 
-def parse_budget_overrides(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
-    """Parse CLI overrides ``[KEY:]FIELD=VALUE`` into the dict :func:`budget_for` takes.
-
-    SCOPE is an op name, op class or dtype name; without it the override applies to all.
-
-    Raises:
-        ComparatorError: An item is malformed or names an unknown field.
-
-    Example:
-        >>> parse_budget_overrides(["max_ulp=4", "aten.mm:accum_factor=2"])
-        {'*': {'max_ulp': 4.0}, 'aten.mm': {'accum_factor': 2.0}}
-    """
-    out: Dict[str, Dict[str, Any]] = {}
-    for item in items:
-        left, eq, value = item.partition("=")
-        if not eq or not value.strip() or not left.strip():
-            raise ComparatorError(f"budget override {item!r} is not [KEY:]FIELD=VALUE")
-        scope, colon, field = left.rpartition(":")
-        if not colon:
-            scope = "*"
-        scope, field, value = scope.strip(), field.strip(), value.strip()
-        if not scope:
-            raise ComparatorError(f"budget override {item!r} has an empty scope")
-        if field not in _FIELDS:
-            raise ComparatorError(
-                f"budget override {item!r}: unknown field {field!r}; "
-                f"fields: {', '.join(sorted(_FIELDS))}")
-        if field == "accum_dtype":
-            val: Any = str(_dtype_of(value)).replace("torch.", "")
-        else:
-            try:
-                val = float(value)
-            except ValueError:
-                raise ComparatorError(f"budget override {item!r}: {value!r} is not a number") from None
-            if not (val >= 0 and math.isfinite(val)):
-                raise ComparatorError(f"budget override {item!r}: value must be finite and >= 0")
-        out.setdefault(scope, {})[field] = val
-    return out
-
-
-#: End-to-end tensors (a model's outputs, gradients, any tensor compared across two whole runs)
-#: carry every upstream rounding error, so per-element kernel budgets do not apply to them. They
-#: are judged by their relative L2 error (mlu-ops diff2) against this many unit roundoffs of the
-#: run's dtype: bf16 8 * 2**-8 = 0.031, fp16 0.0039, fp32 4.8e-7. Rounding errors of a correctly
-#: computed network of moderate depth grow roughly like sqrt(depth) * u; 8u leaves room for a few
-#: dozen layers while a kernel that loses a few bits shows up clearly.
-END_TO_END_FACTOR = 8.0
-
-
-def end_to_end_bound(dtype: torch.dtype) -> float:
-    """Relative L2 error allowed for an end-to-end tensor of ``dtype``: ``END_TO_END_FACTOR * u``.
-
-    Example:
-        >>> end_to_end_bound(torch.bfloat16)
-        0.03125
-    """
-    return END_TO_END_FACTOR * float_format(dtype).unit_roundoff
-
-
-def peer_ratio_check(
-    dut_error: float,
-    peer_error: float,
-    *,
-    factor: Optional[float] = None,
-    floor: float = PEER_FLOOR,
-    dtype: Optional[Union[str, torch.dtype]] = None,
-) -> bool:
-    """Peer ratio standard: pass iff ``dut_error <= factor * peer_error + floor``.
-
-    Both errors are measured against the same golden (e.g. RMSE vs float64), the peer being a
-    trusted device running the DUT's dtype. Defaults follow Dynamo's ``same()``: factor 3.0
-    for float16/bfloat16/float8, 2.0 otherwise; floor 1e-5 (its ``tol / 10``, tol = 1e-4).
-    A NaN DUT error fails; a NaN peer error passes only a finite DUT error under ``floor``.
-
-    Args:
-        dut_error: Error of the device under test.
-        peer_error: Error of the peer.
-        factor: Allowed ratio; if None it comes from ``dtype``.
-        floor: Absolute slack in the errors' unit.
-        dtype: Result dtype, used for the default factor.
-
-    Raises:
-        ComparatorError: Neither ``factor`` nor ``dtype`` given, or a negative value.
-
-    Example:
-        >>> peer_ratio_check(2.5e-3, 1e-3, dtype="bfloat16")
-        True
-    """
-    if factor is None:
-        if dtype is None:
-            raise ComparatorError("peer_ratio_check needs factor= or dtype= (for the default)")
-        dt = _dtype_of(dtype)
-        factor = PEER_FACTOR if dt in (torch.float32, torch.float64) else PEER_FACTOR_LOW
-    if factor < 0 or floor < 0:
-        raise ComparatorError(f"factor and floor must be >= 0, got {factor}, {floor}")
-    if math.isnan(dut_error):
-        return False
-    if math.isnan(peer_error):
-        return dut_error <= floor
-    return dut_error <= factor * peer_error + floor

@@ -291,18 +291,6 @@ def _op_name(fn: Any) -> str:
     return f"{module}.{base}"
 
 
-def _accumulation(cls: str, inputs: Any, output: torch.Tensor) -> Optional[int]:
-    """The accumulation length ``k`` of a matmul (inner dim) or reduction (elements per output)."""
-    tensors = [t for t in _tensors(inputs) if t.is_floating_point() and t.dim() >= 1]
-    if not tensors:
-        return None
-    if cls == "matmul":
-        return max(1, max(int(t.shape[-1]) for t in tensors))
-    if cls == "reduction":
-        return max(1, max(t.numel() for t in tensors) // max(1, output.numel()))
-    return None
-
-
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -331,6 +319,13 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
              kwargs: Optional[Dict[str, Any]] = None, **budgets: Any) -> ParityResult:
     """Run one function or op on the DUT and on the reference (the DUT's inputs, upcast).
 
+    With no budget given, each floating output is judged by the peer rule, as bisect judges a
+    kernel (docs/comparators.md, "The peer rule"): its error against the reference compared
+    with that of correct implementations in the DUT dtype on the same inputs (float32 compute
+    rounded once; PyTorch's ``torch._decomp`` semantics in the DUT dtype), with K and the
+    magnitude from the schema of the op ``fn`` dispatches. With ``max_ulp`` alone, the
+    comparators' ULP budget (condition-aware for matmuls and sums) judges instead.
+
     Args:
         fn: an ATen overload (``torch.ops.aten.gelu.default``), a torch function or any callable.
         *inputs: its positional arguments; floating tensors are cast to the DUT dtype first.
@@ -338,15 +333,18 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         name: the op name used to pick its budget class (default: derived from ``fn``).
         kwargs: keyword arguments for ``fn``.
         **budgets: ``max_ulp`` (per element, ULPs of the DUT dtype), ``rel_l2``, ``min_cosine``;
-            with none, the comparators' budget for the dtype and op class judges.
+            with none, the peer rule judges.
 
     Returns:
         The :class:`ParityResult`, one check per floating output.
 
     Example:
-        >>> check_op(torch.ops.aten.gelu.default, torch.randn(8), target="cpu/bf16", max_ulp=1).passed
+        >>> check_op(torch.ops.aten.gelu.default, torch.randn(8), target="cpu/bf16").passed
         True
     """
+    from ..comparators import op_class
+    from ..comparators.accumulation import LastOp, magnitude_op
+    from ..comparators.peers import compute_dtype, judge_against_peers
     dut = Target.parse(target) if target is not None else default_dut()
     golden = Target.parse(ref) if ref is not None else default_ref()
     dut.check_available()
@@ -354,35 +352,74 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     kwargs = dict(kwargs or {})
     name = name or _op_name(fn)
     bound = _bounds(dut.dtype, budgets)
-    from ..comparators import op_class
-    cls = op_class(name)
     dut_in = dut.prepare_inputs((inputs, kwargs))
     ref_in = move_inputs(dut_in, golden.device, golden.dtype)
     with torch.no_grad():
-        with dut.context():
+        with dut.context(), LastOp() as dut_op:
             actual = fn(*dut_in[0], **dut_in[1])
-        expected = fn(*ref_in[0], **ref_in[1])
+        with LastOp() as last:
+            expected = fn(*ref_in[0], **ref_in[1])
+        op = last.op if last.op is not None else name
         magnitude = None
-        if cls in ("matmul", "reduction") and not bound:
+        if magnitude_op(op) or (op_class(name) in ("matmul", "reduction") and bound):
             abs_in = _abs_inputs(ref_in)
             magnitude = fn(*abs_in[0], **abs_in[1])
     result = ParityResult(name, str(dut), str(golden), kind="op")
     mags = dict(_keyed_outputs(magnitude)) if magnitude is not None else {}
     expected_by_key = dict(_keyed_outputs(expected))
-    for key, out in _keyed_outputs(actual):
+    outs = _keyed_outputs(actual)
+    in_dtypes = [t.dtype for t in _tensors(dut_in) if t.is_floating_point()]
+    peers: Optional[Dict[str, List[Optional[torch.Tensor]]]] = None
+    for index, (key, out) in enumerate(outs):
         exp = expected_by_key[key]
         if bound and set(bound) != {"max_ulp"}:
             result.checks.append(_judge(key, out, exp, bound))
             continue
-        budget = _budget(name, out.dtype, bound.get("max_ulp"))
-        mag = mags.get(key)
-        k = _accumulation(cls, ref_in, out) if mag is not None else None
-        if k is None:
-            mag = None
-        verdict = budget.check(out.detach(), exp.detach(), magnitude=mag, k=k, what=key)
-        shown = {"max_ulp": budget.max_ulp} if mag is None else {
-            "rounding_ulps": budget.rounding_ulps, "accum_factor": budget.accum_factor, "k": k}
-        result.checks.append(TensorCheck(key, verdict.passed, _metrics(out, exp),
-                                         {**shown, "op_class": budget.op_class},
-                                         "" if verdict.passed else verdict.message))
+        k = last.ks[index] if index < len(last.ks) else None
+        mag = mags.get(key) if k is not None else None
+        if bound:  # max_ulp: the user's ULP budget
+            budget = _budget(name, out.dtype, bound.get("max_ulp"))
+            verdict = budget.check(out.detach(), exp.detach(), magnitude=mag, k=k if mag is not None else None,
+                                   what=key)
+            shown = {"max_ulp": budget.max_ulp} if mag is None else {
+                "rounding_ulps": budget.rounding_ulps, "accum_factor": budget.accum_factor, "k": k}
+            result.checks.append(TensorCheck(key, verdict.passed, _metrics(out, exp),
+                                             {**shown, "op_class": budget.op_class},
+                                             "" if verdict.passed else verdict.message))
+            continue
+        cdt = compute_dtype(out.dtype, in_dtypes)
+        pv = judge_against_peers(out.detach(), exp.detach(), {}, magnitude=mag, k=k, dtype=cdt, what=key)
+        if not pv.passed:
+            if peers is None:
+                peers = _op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op)
+            pv = judge_against_peers(out.detach(), exp.detach(),
+                                     {n: (p[index] if index < len(p) else None) for n, p in peers.items()},
+                                     magnitude=mag, k=k, dtype=cdt, what=key)
+        shown = {"rule": "peer", "factor": pv.factor, "bound_rel_l2": pv.bound, "peer_rel_l2": pv.peer_error,
+                 "max_error": pv.max_error, "peer_max_error": pv.peer_max_error}
+        if k is not None:
+            shown["k"] = k
+        result.checks.append(TensorCheck(key, pv.passed, _metrics(out, exp), shown, pv.message))
     return result
+
+
+def _op_peers(fn: Callable[..., Any], dut_in: Any, golden: Target, out_dtypes: List[torch.dtype],
+              dut_op: Any) -> Dict[str, List[Optional[torch.Tensor]]]:
+    """The emulated peers of ``fn`` on the DUT's inputs: per peer, its outputs in the order of
+    :func:`_keyed_outputs` (None where it could not run). The decomposition peer only when
+    ``fn`` dispatched one op (``dut_op``, a :class:`LastOp`): Python code around it would run
+    in the DUT dtype, its dtype-dependent branches included."""
+    from ..comparators.peers import decomposition_peer, float32_peer, peer_dtype
+    floating = [d for d in out_dtypes if d.is_floating_point]
+    wide = max(floating, key=lambda d: torch.finfo(d).bits, default=torch.float32)
+    up = move_inputs(dut_in, golden.device, peer_dtype(wide))
+    same = move_inputs(dut_in, golden.device, None)
+    found: Dict[str, List[Optional[torch.Tensor]]] = {}
+    single = None
+    if dut_op.count == 1 and dut_op.op is not None:
+        op_in = move_inputs((list(dut_op.args), dict(dut_op.kwargs)), golden.device, None)
+        single = decomposition_peer(dut_op.op, op_in[0], op_in[1], out_dtypes)
+    for label, outs in (("float32", float32_peer(fn, up[0], up[1], out_dtypes)), ("decomposition", single)):
+        if outs is not None:
+            found[label] = outs
+    return found

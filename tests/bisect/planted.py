@@ -205,3 +205,134 @@ class NoisyNet(nn.Module):
 
 def noisy_workload() -> Workload:
     return Workload(NoisyNet(), torch.randn(16, 32))
+
+
+# -- (8) a zoo model with one layer's RMSNorm replaced by a fused kernel with a bf16 accumulator --
+@torch.library.custom_op("pdtest::zoo_rms_norm", mutates_args=())
+def zoo_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm as one kernel; in bf16 the sum of squares runs in a bf16 accumulator."""
+    if x.dtype == torch.bfloat16:
+        acc = torch.zeros(x.shape[:-1], dtype=x.dtype)
+        for i in range(x.shape[-1]):
+            acc = acc + x[..., i] * x[..., i]
+        variance = (acc / x.shape[-1]).float()
+        return (weight.float() * (x.float() * torch.rsqrt(variance + eps).unsqueeze(-1))).to(x.dtype)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+@zoo_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def _zoo_rms_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    xf, gf, wf = x.double(), grad.double(), weight.double()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    normed = xf * rstd
+    grad_weight = (gf * normed).reshape(-1, x.shape[-1]).sum(0)
+    gn = gf * wf
+    grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+def _zoo_rms_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+zoo_rms_norm.register_autograd(_zoo_rms_backward, setup_context=_zoo_rms_setup)
+
+
+class FusedRMSNorm(nn.Module):
+    """Drop-in for LlamaRMSNorm that calls the fused kernel above."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.variance_epsilon
+
+    def forward(self, x):
+        return zoo_rms_norm(x, self.weight, self.eps)
+
+
+def llama_with_planted_norm() -> Workload:
+    """The zoo's Llama with ``model.layers.1.post_attention_layernorm`` replaced by the fused kernel."""
+    from tests.zoo import ZOO
+    workload = ZOO["llama"]()
+    layer = workload.model.model.layers[1]
+    layer.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm)
+    return workload
+
+
+# -- (9) a ResNet whose convolutions are kernels we plant: fp32-accumulating, or bf16 ---------------
+@torch.library.custom_op("pdtest::conv3x3", mutates_args=())
+def conv3x3(x: torch.Tensor, weight: torch.Tensor, bf16_accumulator: bool) -> torch.Tensor:
+    """A 3x3 same-padding convolution: products summed in float32 (or, planted, in a bf16
+    accumulator for bf16 inputs), one rounding to the input dtype."""
+    cols = torch.nn.functional.unfold(x.float() if x.dtype != torch.float64 else x, 3, padding=1)
+    w = weight.reshape(weight.shape[0], -1).to(cols.dtype)
+    if bf16_accumulator and x.dtype == torch.bfloat16:
+        acc = torch.zeros(x.shape[0], weight.shape[0], cols.shape[-1], dtype=torch.bfloat16)
+        for j in range(w.shape[1]):
+            acc = acc + (w[:, j, None] * cols[:, None, j, :]).to(torch.bfloat16)
+        out = acc
+    else:
+        out = w @ cols
+    return out.reshape(x.shape[0], weight.shape[0], x.shape[2], x.shape[3]).to(x.dtype)
+
+
+@conv3x3.register_fake
+def _(x, weight, bf16_accumulator):
+    return x.new_empty(x.shape[0], weight.shape[0], x.shape[2], x.shape[3])
+
+
+def _conv3x3_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gx, gw = torch.ops.aten.convolution_backward(
+        grad.double(), x.double(), weight.double(), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+        [True, True, False])[:2]
+    return gx.to(x.dtype), gw.to(weight.dtype), None
+
+
+def _conv3x3_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+conv3x3.register_autograd(_conv3x3_backward, setup_context=_conv3x3_setup)
+
+
+class PlantedConv(nn.Module):
+    def __init__(self, c: int, bf16_accumulator: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(c, c, 3, 3) / (3 * c ** 0.5))
+        self.bf16_accumulator = bf16_accumulator
+
+    def forward(self, x):
+        return conv3x3(x, self.weight, self.bf16_accumulator)
+
+
+class InPlaceBlock(nn.Module):
+    """torchvision's BasicBlock idioms: ReLU(inplace=True) after BatchNorm, ``out += x``."""
+
+    def __init__(self, c: int, bf16_accumulator: bool):
+        super().__init__()
+        self.conv1, self.bn1 = PlantedConv(c, False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = PlantedConv(c, bf16_accumulator), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+def inplace_resnet_workload(bf16_accumulator: bool) -> Workload:
+    model = nn.Sequential(InPlaceBlock(8, False), InPlaceBlock(8, bf16_accumulator),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    x, y = torch.randn(2, 8, 8, 8), torch.randint(0, 10, (2,))
+    return Workload(model, x, loss=lambda o: nn.functional.cross_entropy(o.float() if o.dtype != torch.float64 else o, y))

@@ -122,3 +122,24 @@ def test_record_must_follow_next_query():
         assert "expected a judgement for unit 0" in str(err)
     else:
         raise AssertionError("out-of-order record accepted")
+
+
+def _search(units, judge):
+    s = Search(units)
+    while (uid := s.next_query()) is not None:
+        s.record(uid, judge(uid))
+    return s.result()
+
+
+def test_module_unreplayable_for_its_arguments_hands_nothing_up():
+    """A module whose arguments could not be recorded (a cache object) while all its ops were
+    judged on their own does not make its over-budget parent a stand-in culprit."""
+    units = [Unit(0, "op", parent=1), Unit(1, "module", parent=2), Unit(2, "module")]
+    verdicts = {0: Judgement(), 1: Judgement(replayable=False), 2: Judgement(over=True)}
+    assert _search(units, verdicts.__getitem__).culprit is None
+
+
+def test_module_around_an_unreplayable_op_still_stands_in_for_it():
+    units = [Unit(0, "op", parent=1), Unit(1, "module", parent=2), Unit(2, "module")]
+    verdicts = {0: Judgement(replayable=False), 1: Judgement(replayable=False), 2: Judgement(over=True)}
+    assert _search(units, verdicts.__getitem__).culprit == 2

@@ -67,13 +67,27 @@ def test_bf16_gelu_special_values_never_mismatch_nan_or_inf(inp):
     assert r.checks[0].metrics["nan_mismatch"] == 0 and r.checks[0].metrics["inf_mismatch"] == 0
 
 
-def test_bf16_gelu_overflow_near_max_is_a_known_kernel_finding():
-    """The stock CPU gelu computes x * (1 + erf(x / sqrt 2)) in fp32 before halving: for
-    |x| >= 2**127 the product overflows, so gelu(1.7e38) is inf where float64 gives 1.7e38."""
-    r = check_op(torch.ops.aten.gelu.default, torch.tensor([1.7014e38, 1e38], dtype=torch.bfloat16),
-                 target="cpu/bf16", max_ulp=1)
-    m = r.checks[0].metrics
-    assert m["inf_mismatch"] == 1 and not r.passed
+def _gelu_overflowing_in_bf16(x):
+    """A planted GELU: its bf16 path forms x * (1 + erf(x / sqrt 2)) in bf16 before halving, so
+    for |x| >= 2**127 the product overflows where the float64 result is finite."""
+    if x.dtype == torch.bfloat16:
+        return (x * (1 + torch.erf(x * 0.7071067811865476))) * 0.5
+    return (0.5 * x) * (1 + torch.erf(x * 0.7071067811865476))  # halves first: no overflow
+
+
+def test_bf16_gelu_overflow_near_max_is_caught_by_default():
+    r = check_op(_gelu_overflowing_in_bf16, torch.tensor([1.7014e38, 1e38, 1.0], dtype=torch.bfloat16),
+                 target="cpu/bf16")
+    assert not r.passed and r.checks[0].metrics["inf_mismatch"] >= 1
+    assert "NaN/Inf where the golden and every peer differ" in r.checks[0].message
+
+
+def test_stock_bf16_gelu_passes_the_default_rule_over_its_range():
+    """The peer rule (docs/comparators.md): the stock kernel's -0.0 at gelu(-7) (7e-12 in
+    float64) is what float32 arithmetic rounded once gives too, and is nothing at the scale of
+    the tensor."""
+    assert check_op(torch.nn.functional.gelu, torch.linspace(-10, 10, 1000), target="cpu/bf16").passed
+    assert check_op(torch.ops.aten.gelu.default, torch.tensor([-7.03125]), target="cpu/bf16").passed
 
 
 @parity_settings(max_examples=15)

@@ -1,0 +1,73 @@
+"""False blames on the model zoo: bisect every zoo model (tests/zoo, stock PyTorch kernels only)
+on a bf16 target against float64 and count the verdicts that blame a kernel.
+
+Every zoo model runs only PyTorch's own kernels, so a ``kernel`` verdict is a false blame unless
+it is a documented, hand-verified stock finding (docs/bisect.md). Prints one row per model:
+verdict, culprit, final error (relative L2), forward-equivalents and wall time, then the count.
+
+    PYTHONPATH=. python benchmarks/bench_false_blames.py [MODEL ...] [--target cpu/bf16] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from precisiondiff.bisect import bisect  # noqa: E402
+from tests.zoo import ZOO  # noqa: E402
+
+
+#: Stock kernels the peer rule names that were verified by hand against a float64 replay
+#: (benchmarks/stock_findings.py; docs/bisect.md, "Findings on stock kernels"): a verdict naming
+#: one of these is a finding, any other kernel verdict on the zoo is a false blame.
+KNOWN_FINDINGS = {
+    "aten.native_layer_norm_backward.default": "grad_weight/grad_bias summed with bf16 partial sums",
+}
+
+
+def run(names, target: str):
+    rows = []
+    for name in names:
+        start = time.perf_counter()
+        r = bisect(ZOO[name], target=target)
+        c = r.culprit
+        rows.append({"model": name, "verdict": r.verdict,
+                     "finding": bool(c) and c["name"] in KNOWN_FINDINGS,
+                     "culprit": f"{c['name']} in {c['scope'] or '<root>'} ({c['direction']})" if c else "-",
+                     "final_error": r.final_error, "parity_bound": r.parity_bound,
+                     "forward_equivalents": r.cost["forward_equivalents"],
+                     "wall_s": round(time.perf_counter() - start, 2)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=sorted(ZOO))
+    parser.add_argument("--target", default="cpu/bf16")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = run(args.models, args.target)
+    blames = sum(r["verdict"] == "kernel" and not r["finding"] for r in rows)
+    findings = sum(r["verdict"] == "kernel" and r["finding"] for r in rows)
+    if args.json:
+        print(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "target": args.target,
+                          "false_blames": blames, "stock_findings": findings, "models": rows}, indent=1))
+        return
+    print(f"target {args.target}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"{'model':<9} {'verdict':<12} {'final err':>9} {'bound':>7} {'fwd-eq':>7} {'wall s':>7}  culprit")
+    for r in rows:
+        print(f"{r['model']:<9} {r['verdict']:<12} {r['final_error']:>9.4f} {r['parity_bound']:>7.4f} "
+              f"{r['forward_equivalents']:>7} {r['wall_s']:>7}  {r['culprit']}"
+              + ("  [documented stock finding]" if r["finding"] else ""))
+    print(f"false blames (kernel verdicts not a documented stock finding): {blames} of {len(rows)}; "
+          f"documented stock findings: {findings}")
+
+
+if __name__ == "__main__":
+    main()

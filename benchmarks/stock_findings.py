@@ -1,0 +1,67 @@
+"""By-hand checks of the stock CPU kernels that the peer rule still names (docs/bisect.md,
+"Findings on stock kernels"): each kernel in bf16 against a float64 replay of the same bf16
+inputs, beside float32 arithmetic rounded once (what a correct bf16 kernel gives), and the peer
+rule's verdict. Run it under each CPU path:
+
+    ATEN_CPU_CAPABILITY=default|avx2 PYTHONPATH=. python benchmarks/stock_findings.py
+"""
+from __future__ import annotations
+
+import torch
+
+from precisiondiff.comparators import ulp_error
+from precisiondiff.comparators.peers import judge_against_peers
+
+
+def _rel(t: torch.Tensor, gold: torch.Tensor) -> float:
+    return float((t.double() - gold).norm() / gold.norm())
+
+
+def layer_norm_backward() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for rows, cols in ((24, 64), (128, 64), (512, 32), (2048, 64)):
+        x = torch.randn(rows, cols, generator=gen).bfloat16()
+        dy = torch.randn(rows, cols, generator=gen).bfloat16()
+        w = (torch.rand(cols, generator=gen) + 0.5).bfloat16()
+        b = torch.randn(cols, generator=gen).bfloat16()
+
+        def run(dt):
+            _, mean, rstd = torch.ops.aten.native_layer_norm(x.to(dt), [cols], w.to(dt), b.to(dt), 1e-5)
+            return torch.ops.aten.native_layer_norm_backward(dy.to(dt), x.to(dt), [cols], mean, rstd, w.to(dt),
+                                                             b.to(dt), [True, True, True])
+        kernel, fp32, fp64 = run(torch.bfloat16), run(torch.float32), run(torch.float64)
+        for i, name in ((1, "grad_weight"), (2, "grad_bias")):
+            peer = fp32[i].bfloat16()
+            v = judge_against_peers(kernel[i], fp64[i], {"float32": peer})
+            print(f"  layer_norm_backward {rows}x{cols} {name}: rel-L2 kernel {_rel(kernel[i], fp64[i]):.2e}, "
+                  f"fp32 rounded once {_rel(peer, fp64[i]):.2e} (x{_rel(kernel[i], fp64[i]) / _rel(peer, fp64[i]):.1f}); "
+                  f"max ULP {ulp_error(kernel[i], fp64[i], torch.bfloat16).abs().max():.1f} vs "
+                  f"{ulp_error(peer, fp64[i], torch.bfloat16).abs().max():.2f}; peer rule: "
+                  f"{'pass' if v.passed else 'FAIL'}")
+    # the same sum done by the stock bf16 sum kernel: fp32 accumulation, one rounding
+    dy = torch.randn(2048, 64, generator=gen).bfloat16()
+    print(f"  for comparison, stock bf16 dy.sum(0) over 2048 rows: rel-L2 {_rel(dy.sum(0), dy.double().sum(0)):.2e}")
+
+
+def embedding_backward() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for repeats in (3, 64, 1024):
+        g = torch.randn(repeats, 8, generator=gen).bfloat16()
+        idx = torch.zeros(repeats, dtype=torch.long)
+        out = torch.ops.aten.embedding_dense_backward(g, idx, 4, -1, False)[0]
+        gold = g.double().sum(0)
+        peer = g.float().sum(0).bfloat16()
+        v = judge_against_peers(out, gold, {"float32": peer}, magnitude=g.double().abs().sum(0), k=repeats)
+        print(f"  embedding_dense_backward, one token x{repeats}: max ULP kernel "
+              f"{ulp_error(out, gold, torch.bfloat16).abs().max():.1f}, fp32 rounded once "
+              f"{ulp_error(peer, gold, torch.bfloat16).abs().max():.2f}; peer rule: {'pass' if v.passed else 'FAIL'}")
+
+
+def main() -> None:
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
+    layer_norm_backward()
+    embedding_backward()
+
+
+if __name__ == "__main__":
+    main()

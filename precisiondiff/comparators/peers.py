@@ -1,0 +1,359 @@
+"""The emulated-peer rule: judge a kernel by what a correct implementation in its own dtype does.
+
+A kernel's output ``d`` (dtype ``T``) is compared with the golden ``g`` (the same op on the same
+inputs in float64). On its own, ``|d - g|`` says little: a correct bf16 kernel is off by its final
+rounding, by cancellation its inputs make unavoidable, by the order it sums in. So the error is
+compared with that of *emulated peers*, correct implementations in dtype ``T`` run on the same
+inputs (docs/comparators.md, "The peer rule"):
+
+* ``float32``: the op computed in float32 (or the wider of float32 and ``T``) from the same
+  inputs, each output rounded once to its dtype: float32 accumulation, one final rounding;
+* ``decomposition``: PyTorch's own reference semantics for the op, its ``torch._decomp``
+  decomposition (most are ``torch._refs``) run in ``T``, when the op has one.
+
+With ``e(x) = ||x - g||_2`` and ``M(x) = max_i |x_i - g_i| / s_i`` over the elements finite in
+both, the kernel passes when both hold (the more lenient peer counts)::
+
+    RMSE rule: e(d) <= factor * max_peers e(p) + floor
+               floor = || max(u * |g|, spacing(g) / 2) + accum_factor * K * u_acc * magnitude ||_2
+    max rule:  M(d) <= factor * max_peers M(p) + MAX_FLOOR
+               s_i = spacing(max(|g_i|, SIGNIFICANCE * rms(g))) + (accum_factor * K * u_acc + u) * magnitude_i
+
+``factor`` is Dynamo ``same()``'s RMSE ratio (3 for 16-bit and 8-bit dtypes, 2 otherwise), ``u``
+the unit roundoff of the compute dtype, the floor one correct final rounding of every element
+plus float32 accumulation of the op's magnitude (``magnitude`` and ``K`` from
+:mod:`~precisiondiff.comparators.accumulation`). The max rule (msprobe's max-error ratio) is what
+sees a bf16 accumulator inside a norm that the RMSE ratio alone lets through; its unit ``s_i`` is
+one ULP of the element, or of the significance threshold for elements far below the tensor's
+size, so small elements are judged by absolute error (torch.testing's ``atol``, msprobe's
+small-value rule). A NaN or infinity where the rounded golden has none fails unless a peer gives
+the same value there. Per-element ULP figures stay what is *reported*; this rule gives the verdict.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .bounds import PEER_FACTOR, PEER_FACTOR_LOW
+from .ulp import float_format
+
+__all__ = ["PeerVerdict", "judge_against_peers", "significance_floor", "peer_factor", "peer_dtype", "compute_dtype",
+           "float32_peer", "decomposition_peer", "element_scale", "reductions_in_dtype", "reference_semantics", "ACCUM_FACTOR", "SIGNIFICANCE", "MAX_FLOOR"]
+
+#: c of the accumulation term of the floor (Higham's gamma_K for K * u_acc <= 1/2, as the budgets).
+ACCUM_FACTOR = 2.0
+#: Elements smaller than this fraction of the tensor's RMS are judged by absolute error at that
+#: size in the max rule (msprobe's small-value rule, torch.testing's atol, scaled to the tensor).
+SIGNIFICANCE = 2.0 ** -6
+#: Slack of the max rule in its per-element unit (one ULP): a kernel may differ from a peer that
+#: happens to be correctly rounded by one rounding of its own.
+MAX_FLOOR = 1.0
+
+
+def peer_factor(dtype: torch.dtype) -> float:
+    """Dynamo ``same()``'s RMSE ratio: 3 for 16-bit and 8-bit dtypes, 2 for float32/float64."""
+    return PEER_FACTOR if dtype in (torch.float32, torch.float64) else PEER_FACTOR_LOW
+
+
+def peer_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the float32 peer computes in: float32, or ``dtype`` when that is wider."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def compute_dtype(out_dtype: torch.dtype, input_dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The least precise of an output's dtype and the op's floating input dtypes: what a
+    correct implementation may round its intermediates to."""
+    cands = [out_dtype] + [d for d in input_dtypes if d.is_floating_point and d.itemsize > 0]
+    return max(cands, key=lambda d: float_format(d).unit_roundoff if _known(d) else 0.0)
+
+
+def _known(dtype: torch.dtype) -> bool:
+    try:
+        float_format(dtype)
+        return True
+    except Exception:  # a dtype without a ULP definition (complex, ...)
+        return False
+
+
+def significance_floor(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Optional[torch.Tensor] = None,
+                       k: Optional[int] = None) -> float:
+    """``|| max(u |g|, spacing(g) / 2) + ACCUM_FACTOR * K * u_acc * magnitude ||_2`` over the finite
+    elements of ``golden``: one correct rounding of every element (subnormals included) plus
+    float32 accumulation of the op's magnitude."""
+    from .ulp import ulp_spacing
+    g = golden.detach().to(torch.float64)
+    g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
+    # one correct rounding: u |g|, or half the (constant) spacing where g is subnormal or 0
+    allow = torch.maximum(float_format(dtype).unit_roundoff * g.abs(), 0.5 * ulp_spacing(g, dtype).to(torch.float64))
+    if magnitude is not None and k:
+        u_acc = float_format(peer_dtype(dtype)).unit_roundoff
+        allow = allow + ACCUM_FACTOR * k * u_acc * magnitude.detach().to(device=g.device, dtype=torch.float64).abs()
+    allow = torch.where(torch.isfinite(allow), allow, torch.zeros_like(allow))
+    return float(torch.linalg.vector_norm(allow))
+
+
+@dataclass(frozen=True)
+class PeerVerdict:
+    """The peer rule's judgement of one tensor.
+
+    Attributes:
+        passed: both rules hold and no NaN/Inf goes unexplained.
+        error: ``||d - g||_2 / ||g||_2`` (relative L2 of the kernel).
+        peer_error: the larger relative L2 of the peers (0.0 when none ran).
+        peers: each peer's relative L2 (``float32``, ``decomposition``).
+        floor: the L2 significance floor, relative to ``||g||_2``.
+        factor: the ratio allowed (both rules).
+        bound: ``factor * peer_error + floor`` (relative).
+        ratio: the worse of the two rules' ``error / bound``.
+        max_error, peer_max_error: the largest scaled error of the kernel and of the most lenient
+            peer, in units of the per-element scale (``ULP`` of the element or of the significance
+            threshold, plus the accumulation allowance).
+        special_mismatch: NaN/Inf positions no peer explains.
+        message: one line when it fails.
+    """
+
+    passed: bool
+    error: float
+    peer_error: float
+    peers: Dict[str, float]
+    floor: float
+    factor: float
+    bound: float
+    ratio: float
+    max_error: float
+    peer_max_error: float
+    special_mismatch: int
+    message: str = ""
+
+    def as_dict(self) -> Dict[str, Any]:
+        """JSON-safe fields (infinities as strings)."""
+        def safe(v: Any) -> Any:
+            return repr(v) if isinstance(v, float) and not math.isfinite(v) else v
+        return {"rule": "peer", "passed": self.passed, "error": safe(self.error), "peer_error": safe(self.peer_error),
+                "peers": {k: safe(v) for k, v in self.peers.items()}, "floor": safe(self.floor),
+                "factor": self.factor, "bound": safe(self.bound), "max_error": safe(self.max_error),
+                "peer_max_error": safe(self.peer_max_error), "ratio": safe(self.ratio),
+                "special_mismatch": self.special_mismatch}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a == b) | (torch.isnan(a) & torch.isnan(b))
+
+
+def element_scale(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Optional[torch.Tensor] = None,
+                  k: Optional[int] = None) -> torch.Tensor:
+    """Per-element unit of the max rule: ``spacing(max(|g_i|, SIGNIFICANCE * rms(g)))`` in
+    ``dtype`` plus ``(ACCUM_FACTOR * K * u_acc + u) * magnitude_i``: one ULP of the element, or of
+    the significance threshold for elements far below the tensor's size (judged by absolute
+    error), plus what float32 accumulation of the op's magnitude may add and one rounding, in
+    the DUT dtype, of a partial result as large as the magnitude (a split or scattered sum:
+    an element that cancels is judged against what was summed into it)."""
+    from .ulp import ulp_spacing
+    g = torch.where(torch.isfinite(golden), golden, torch.zeros_like(golden)).abs()
+    rms = float(g.pow(2).mean().sqrt()) if g.numel() else 0.0
+    scale = ulp_spacing(torch.clamp(g, min=SIGNIFICANCE * rms), dtype).to(torch.float64)
+    if magnitude is not None and k:
+        u_acc = float_format(peer_dtype(dtype)).unit_roundoff
+        m = magnitude.detach().to(device=g.device, dtype=torch.float64).abs().flatten()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        scale = scale + (ACCUM_FACTOR * k * u_acc + float_format(dtype).unit_roundoff) * m
+    return scale
+
+
+def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[str, Optional[torch.Tensor]], *,
+                        magnitude: Optional[torch.Tensor] = None, k: Optional[int] = None,
+                        factor: Optional[float] = None, dtype: Optional[torch.dtype] = None,
+                        what: str = "output") -> PeerVerdict:
+    """Judge ``dut`` against ``golden`` by the peer rule (module docstring).
+
+    Args:
+        dut: the kernel's output, in its own dtype.
+        golden: the float64 (reference) output on the same inputs.
+        peers: ``{"float32": tensor or None, "decomposition": tensor or None}`` (peers that could
+            not run are None), each in the DUT's dtype.
+        magnitude, k: the op's magnitude and accumulation length, for the floor.
+        factor: the ratio; default :func:`peer_factor` of ``dtype``.
+        dtype: the dtype the op computes in, for ``u`` and the factor: default the output's; a
+            wider output of narrower inputs (the float32 logsumexp of a bf16 attention) is
+            judged in the inputs' dtype (:func:`compute_dtype`).
+        what: the tensor's name in the message.
+    """
+    dtype = dut.dtype if dtype is None else dtype
+    factor = peer_factor(dtype) if factor is None else factor
+    g = golden.detach().to(torch.float64).flatten()
+    d = dut.detach().to(device=g.device, dtype=torch.float64).flatten()
+    if d.shape != g.shape:
+        raise ValueError(f"{what}: shapes differ: {tuple(dut.shape)} vs {tuple(golden.shape)}")
+    ps = {n: p.detach().to(device=g.device, dtype=torch.float64).flatten()
+          for n, p in peers.items() if p is not None and p.numel() == d.numel()}
+    rounded = g.to(dut.dtype).to(torch.float64)
+    finite = torch.isfinite(d) & torch.isfinite(g)
+    special = ~finite & ~_same(d, rounded)
+    for p in ps.values():
+        special &= ~_same(d, p)
+    n_special = int(special.sum())
+    zero = torch.zeros_like(g)
+    gf = torch.where(finite, g, zero)
+    gnorm = float(torch.linalg.vector_norm(gf))
+    mag = magnitude.detach().flatten() if magnitude is not None else None
+    scale = element_scale(gf, dtype, magnitude=mag, k=k)
+    e_dut = float(torch.linalg.vector_norm(torch.where(finite, d - g, zero)))
+    m_dut = float(torch.where(finite, (d - g).abs() / scale, zero).max()) if d.numel() else 0.0
+    e_peers, m_peers = {}, {}
+    for n, p in ps.items():
+        ok = finite & torch.isfinite(p)
+        e_peers[n] = float(torch.linalg.vector_norm(torch.where(ok, p - g, zero)))
+        m_peers[n] = float(torch.where(ok, (p - g).abs() / scale, zero).max()) if d.numel() else 0.0
+    e_peer = max(e_peers.values(), default=0.0)
+    m_peer = max(m_peers.values(), default=0.0)
+    floor = significance_floor(gf, dtype, magnitude=mag, k=k)
+    bound = factor * e_peer + floor
+    m_bound = factor * m_peer + MAX_FLOOR
+    l2_ok = e_dut <= bound
+    max_ok = m_dut <= m_bound
+    passed = n_special == 0 and l2_ok and max_ok
+    rel = (lambda e: e / gnorm) if gnorm > 0 else (lambda e: 0.0 if e == 0 else math.inf)
+    ratio = max(e_dut / bound if bound > 0 else (0.0 if e_dut == 0 else math.inf), m_dut / m_bound)
+    message = ""
+    if not passed:
+        shown = ", ".join(f"{n} {rel(e):.3g}" for n, e in e_peers.items()) or "none ran"
+        parts = []
+        if not l2_ok:
+            parts.append(f"relative L2 error {rel(e_dut):.3g} exceeds {factor:g} x the emulated peers' "
+                         f"({shown}) + floor {rel(floor):.3g} = {rel(bound):.3g}")
+        if not max_ok:
+            shown_m = ", ".join(f"{n} {v:.3g}" for n, v in m_peers.items()) or "none ran"
+            parts.append(f"worst element {m_dut:.3g} ULP (of the element or the significance threshold) exceeds "
+                         f"{factor:g} x the emulated peers' ({shown_m}) + {MAX_FLOOR:g} = {m_bound:.3g}")
+        if n_special:
+            parts.append(f"{n_special} NaN/Inf where the golden and every peer differ")
+        message = f"{what}: " + "; ".join(parts)
+    return PeerVerdict(passed, rel(e_dut), rel(e_peer), {n: rel(e) for n, e in e_peers.items()}, rel(floor),
+                       factor, rel(bound), ratio, m_dut, m_peer, n_special, message)
+
+
+def _map_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda v: fn(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
+
+
+def _flat(value: Any) -> List[Any]:
+    return [v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def float32_peer(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                 out_dtypes: Sequence[Optional[torch.dtype]]) -> Optional[List[Optional[torch.Tensor]]]:
+    """The op computed in :func:`peer_dtype` from ``args`` (floating tensors and dtype arguments
+    already converted by the caller) with each floating output rounded once to ``out_dtypes[i]``.
+    None when the op cannot run in that dtype."""
+    try:
+        with torch.no_grad():
+            outs = _flat(fn(*args, **kwargs))
+    except Exception:  # no kernel for that dtype here: no peer
+        return None
+    return [o.to(dt) if dt is not None and o.is_floating_point() else None
+            for o, dt in zip(outs, list(out_dtypes) + [None] * (len(outs) - len(out_dtypes)))]
+
+
+def _flash_attention_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
+                                  *, attn_mask=None, scale=None):
+    """The flash attention backward as the gradient of the math attention, every step in the
+    dtype of its inputs (``torch._decomp`` has no entry for it; autograd cannot run below the
+    dispatcher, so the gradient is written out)."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    s = (query @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    p = torch.softmax(s, -1)
+    dv = p.transpose(-2, -1) @ grad_out
+    dp = grad_out @ v.transpose(-2, -1)
+    ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
+    dq = (ds @ k) * scale
+    dk = (ds.transpose(-2, -1) @ query) * scale
+    if groups > 1:
+        dk = dk.unflatten(1, (key.shape[1], groups)).sum(2)
+        dv = dv.unflatten(1, (key.shape[1], groups)).sum(2)
+    return dq, dk, dv
+
+
+#: Reference semantics for backward ops that ``torch._decomp`` lacks: autograd of the forward's
+#: decomposition, run in the DUT dtype.
+_BACKWARD_SEMANTICS: Dict[str, Callable[..., Any]] = {
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": _flash_attention_cpu_backward,
+}
+
+
+def reference_semantics(func: Any) -> Optional[Callable[..., Any]]:
+    """PyTorch's own reference implementation of an op: its ``torch._decomp`` decomposition, or
+    for a backward op without one, autograd of its forward's decomposition. None if neither."""
+    from torch._decomp import decomposition_table
+    found = decomposition_table.get(func)
+    return found if found is not None else _BACKWARD_SEMANTICS.get(str(func))
+
+
+class _Decompose(TorchDispatchMode):
+    """Run each op through its ``torch._decomp`` decomposition; count the ops that had none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.missing: List[str] = []
+        self.decomposed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        decomp = reference_semantics(func)
+        if decomp is not None:
+            out = decomp(*args, **kwargs)
+            if out is not NotImplemented:
+                self.decomposed += 1
+                return out
+        if not getattr(func, "is_view", False) and any(
+                t.is_floating_point() for t in _flat((args, kwargs))):
+            self.missing.append(str(func))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def reductions_in_dtype() -> Iterator[None]:
+    """PyTorch's math attention in the dtype it is given: by default it upcasts bf16/fp16 to
+    float32 (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``, which the CPU math path
+    reads too); a reference semantics *in the DUT dtype* must not."""
+    flag = getattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp", None)
+    getter = getattr(torch._C, "_get_math_sdp_allow_fp16_bf16_reduction", None)
+    if flag is None or getter is None:
+        yield
+        return
+    before = getter()
+    flag(True)
+    try:
+        yield
+    finally:
+        flag(before)
+
+
+def decomposition_peer(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                       out_dtypes: Sequence[Optional[torch.dtype]]) -> Optional[List[Optional[torch.Tensor]]]:
+    """``fn`` with every op it dispatches replaced by its ``torch._decomp`` decomposition, run in
+    the DUT's dtypes (``args`` as the DUT had them). None when some floating op of the call has
+    no decomposition (it would run the kernel under judgement itself) or it fails."""
+    mode = _Decompose()
+    try:
+        with torch.no_grad(), reductions_in_dtype(), mode:
+            outs = _flat(fn(*args, **kwargs))
+    except Exception:  # the decomposition does not run for these inputs: no peer
+        return None
+    if mode.missing or not mode.decomposed:
+        return None
+    return [o.to(dt) if dt is not None and o.is_floating_point() else None
+            for o, dt in zip(outs, list(out_dtypes) + [None] * (len(outs) - len(out_dtypes)))]
