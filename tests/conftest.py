@@ -33,6 +33,7 @@ STOCK_KERNEL_TESTS = (
     "tests/plugin/test_assertions.py",
     "tests/plugin/test_plugin.py",
     "tests/test_testing.py",
+    "examples/test_model_zoo.py",
 )
 
 

@@ -193,7 +193,15 @@ def _kernel_check(bisect: Dict[str, Any], direction: Optional[str]) -> TensorChe
     if bisect.get("verdict") != "kernel":
         return TensorCheck(key, True, {}, {"verdict": "no op over its own budget"})
     local = {k: v for k, v in (culprit.get("local") or {}).items() if isinstance(v, (int, float))}
-    budget = {k: v for k, v in (culprit.get("budget") or {}).items() if k in ("op_class", "max_ulp")}
+    peer = culprit.get("peer") or {}
+    if peer:  # the verdict is the peer rule's; the ULP figures are reported beside it
+        local["rel_l2"] = peer.get("error")
+        slack = peer.get("factor"), peer.get("peer_max_error")
+        budget = {"rel_l2": peer.get("bound"), "rule": "peer"}
+        if all(isinstance(v, (int, float)) for v in slack):  # the max rule, in per-element units
+            budget["worst_elem"] = slack[0] * slack[1] + 1
+    else:
+        budget = {k: v for k, v in (culprit.get("budget") or {}).items() if k in ("op_class", "max_ulp")}
     message = culprit.get("message") or (
         f"Op {culprit.get('name')!r} in scope {culprit.get('scope')!r} ({culprit.get('direction')}) exceeds "
         f"its own budget on the DUT's inputs: max ULP {_fmt(local.get('max_ulp'))}, max rel "
