@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .distributed import collective, wait_collective
 from .ran_on import ran_on
 from .serialize import encode_args, flatten_tensors, is_replayable
 
@@ -24,7 +25,9 @@ _ALWAYS_SKIP = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_s
                 "aten.is_same_size.default", "aten.set_.source_Storage_storage_offset",
                 # uninitialized memory: recording it would only record noise
                 "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
-                "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
+                "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out",
+                # a functional collective's wait and autograd wrapper: the collective is recorded
+                "_c10d_functional.wait_tensor.default", "_c10d_functional._wrap_tensor_autograd.default"}
 
 
 # In-place ops whose first argument is overwritten without being read: its old contents (often
@@ -85,16 +88,38 @@ class OpCaptureMode(TorchDispatchMode):
         scope = session.current_scope(backward)
         if not name or not session.filter.want_scope(scope):
             return func(*args, **kwargs)
-        rec = session.recorder
-        direction = "backward" if backward else "forward"
-        event = rec.begin("op", scope, name, direction)
+        # A failure of capture itself (statistics, a full disk) never reaches the workload: the op
+        # runs exactly once whatever happens here, and the session notes the error and stops.
+        try:
+            event = self._inputs(name, scope, backward, args, kwargs)
+        except Exception as err:  # noqa: BLE001
+            session.capture_failed(err)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        try:
+            self._outputs(func, name, event, args, kwargs, out)
+        except Exception as err:  # noqa: BLE001
+            session.capture_failed(err)
+        return out
+
+    def _inputs(self, name: str, scope: str, backward: bool, args: tuple, kwargs: dict) -> Any:
+        rec = self.session.recorder
+        event = rec.begin("op", scope, name, "backward" if backward else "forward")
         inputs = flatten_tensors((args, kwargs))
         skip = _overwritten(name, args, kwargs)
         with torch.no_grad():
             for i, t in enumerate(inputs):
                 if id(t) not in event.slots and id(t) not in skip:
                     rec.add(event, f"input.{i}", t)
-        out = func(*args, **kwargs)
+        return event
+
+    def _outputs(self, func: Any, name: str, event: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        rec = self.session.recorder
+        group = collective(name, args, kwargs)
+        if group is not None:
+            # an async collective's output is read once its work is done (docs/distributed.md)
+            wait_collective(name, out)
+            event.extra = {"collective": group}
         # An in-place op returns its mutated input; its version counter is bumped only after this
         # mode returns, so de-duplication would take it for the unmodified tensor.
         mutated = func._schema.is_mutable
@@ -109,4 +134,3 @@ class OpCaptureMode(TorchDispatchMode):
         if event.device is not None and event.device != "cpu":
             event.device = ran_on(func, event.device)  # "cpu": the backend's CPU fallback ran it
         rec.finish(event, args=encoded)
-        return out

@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from ..store.schema import tensor_key
+from ..store.schema import SUPPORTED_DTYPES, tensor_key
+from .distributed import local_view
 from .stats import StatsBatch
 
 __all__ = ["Sink", "MemorySink", "Recorder", "PendingEvent", "make_key", "MODES"]
@@ -68,13 +69,14 @@ class PendingEvent:
     slots: Dict[int, str] = field(default_factory=dict)
     device: Optional[str] = None
     output_seen: bool = False
+    extra: Optional[dict] = None  # event fields beyond the schema's (a collective's group)
 
 
-def _identity(t: torch.Tensor) -> tuple:
+def _identity(t: torch.Tensor) -> Optional[tuple]:
     try:
         version = t._version
-    except RuntimeError:  # inference tensors have no version counter
-        version = -1
+    except RuntimeError:  # inference tensors have no version counter: never de-duplicated
+        return None
     try:
         ptr = t.data_ptr()  # storage address + offset: with shape and strides, the same view
     except RuntimeError:  # tensors without storage
@@ -124,15 +126,18 @@ class Recorder:
         dedup_bytes: ... and at most this many bytes of them (large activations on a device).
         dedup_window: recently recorded tensors kept alive so their storage cannot be reused
             by another tensor that would then be mistaken for them.
+        host_bytes: bytes of host copies held before a read-back hands them to the sink.
     """
 
     def __init__(self, sink: Sink, *, mode: str = "stats", multi_step: Optional[bool] = None, rank: int = 0,
                  batch_events: int = 512, batch_elements: int = 1 << 24, dedup_window: int = 1024,
-                 dedup_bytes: int = 256 << 20) -> None:
+                 dedup_bytes: int = 256 << 20, host_bytes: int = 256 << 20) -> None:
         self.sink, self.mode, self.multi_step, self.rank = sink, mode, multi_step, rank
         self.batch_events, self.batch_elements, self.dedup_window = batch_events, batch_elements, dedup_window
         self.dedup_bytes = dedup_bytes
         self._kept_bytes = 0
+        self.host_bytes = host_bytes
+        self._data_bytes = 0  # host copies not yet handed to the sink
         self.step = 0
         self.seq = 0
         self.events_written = 0
@@ -163,12 +168,21 @@ class Recorder:
         """Record tensor ``t`` under ``slot`` (``input.0``, ``output.0``, ``param.weight``...).
 
         ``fresh`` skips de-duplication: the tensor's contents changed without a new identity.
+        A DTensor is measured on its local shard; a meta or fake tensor is recorded unmeasured.
         """
+        original = t
+        t, extra = local_view(t)
+        if t is None:
+            return self._add_unmeasured(event, slot, original, extra)
+        if store and self.stores_data and t.dtype not in SUPPORTED_DTYPES:
+            store, extra = False, {**extra, "not_stored": "no dump encoding for this dtype"}
         # Keys carry the step when the dump holds several: always for an explicit multi-step
         # selection; with no selection, from the second step on (a one-step capture stays plain).
         step = self.step if (self.multi_step is True or (self.multi_step is None and self.step > 0)) else None
         key = make_key(event.scope, event.name, event.call, event.direction, slot, step)
         ident = _identity(t)
+        if ident is None:
+            fresh = True
         seen = None if fresh else self._seen.get(ident)
         if seen is not None:
             self._seen.move_to_end(ident)
@@ -176,6 +190,7 @@ class Recorder:
             if data_key is None and store and self.stores_data:
                 data_key = key
                 self._data[key] = _host_copy(t)
+                self._data_bytes += _nbytes(t)
                 self._seen[ident] = (t, data_key, handle)
         else:
             data_key = None
@@ -183,6 +198,7 @@ class Recorder:
             if store and self.stores_data:
                 data_key = key
                 copy = self._data[key] = _host_copy(t)
+                self._data_bytes += _nbytes(t)
             # A reshaped view of a recorded contiguous tensor (view, unsqueeze, _unsafe_view: ops
             # that are not recorded) holds the same elements in the same order: same statistics
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
@@ -194,26 +210,41 @@ class Recorder:
                 handle = self._stats.add(t, snapshot=copy)
                 if content is not None:
                     # keeping the tensor alive keeps its memory from being reused meanwhile
+                    # (the same tensor as the _seen entry below: its bytes are counted there)
                     self._same_content[content] = (t, handle)
-                    self._kept_bytes += _nbytes(t)
-            self._seen[ident] = (t, data_key, handle)
-            self._kept_bytes += _nbytes(t)
-            self._evict()
+            if ident is not None:
+                self._seen[ident] = (t, data_key, handle)
+                self._kept_bytes += _nbytes(t)
+                self._evict()
         record = {"key": key, "slot": slot, "dtype": str(t.dtype).removeprefix("torch."),
                   "shape": list(t.shape), "stats": None, "data_key": data_key}
+        if extra:
+            record.update(extra)
         event.tensors.append((record, handle))
-        event.slots.setdefault(id(t), slot)  # an in-place op returns its input: args name the input
+        event.slots.setdefault(id(original), slot)  # an in-place op returns its input: args name the input
         if slot.startswith("output") and not event.output_seen:
             event.device, event.output_seen = str(t.device), True
         elif event.device is None:
             event.device = str(t.device)
 
+    def _add_unmeasured(self, event: PendingEvent, slot: str, t: torch.Tensor, extra: dict) -> None:
+        """A tensor without data capture can read (meta, fake, opaque subclass): named, not measured."""
+        step = self.step if (self.multi_step is True or (self.multi_step is None and self.step > 0)) else None
+        record = {"key": make_key(event.scope, event.name, event.call, event.direction, slot, step),
+                  "slot": slot, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                  "stats": None, "data_key": None, **extra}
+        event.tensors.append((record, None))
+        event.slots.setdefault(id(t), slot)
+        if event.device is None:
+            event.device = str(t.device)
+
     def _evict(self) -> None:
         """Forget the oldest tensors beyond the window's count or bytes (they may be freed)."""
-        for table in (self._seen, self._same_content):
-            while table and (len(table) > self.dedup_window or self._kept_bytes > self.dedup_bytes):
-                _, entry = table.popitem(last=False)
-                self._kept_bytes -= _nbytes(entry[0])
+        while self._seen and (len(self._seen) > self.dedup_window or self._kept_bytes > self.dedup_bytes):
+            _, entry = self._seen.popitem(last=False)
+            self._kept_bytes -= _nbytes(entry[0])
+        while len(self._same_content) > len(self._seen):
+            self._same_content.popitem(last=False)
 
     def slot_of(self, event: PendingEvent, t: torch.Tensor) -> str:
         """The slot a tensor of this event was recorded under (for replay arguments)."""
@@ -227,7 +258,8 @@ class Recorder:
         self.seq += 1
         event.args = args  # type: ignore[attr-defined]
         self._pending.append(event)
-        if len(self._pending) >= self.batch_events or self._stats.pending_elements > self.batch_elements:
+        if (len(self._pending) >= self.batch_events or self._stats.pending_elements > self.batch_elements
+                or self._data_bytes > self.host_bytes):
             self.flush()
 
     def flush(self) -> None:
@@ -239,7 +271,7 @@ class Recorder:
         for ev in pending:
             tensors, data = [], {}
             for record, handle in ev.tensors:
-                record["stats"] = self._stats.get(handle)
+                record["stats"] = self._stats.get(handle) if handle is not None else None
                 tensors.append(record)
                 copy = self._data.pop(record["data_key"], None) if record["data_key"] else None
                 if copy is not None:
@@ -247,8 +279,12 @@ class Recorder:
             out = {"seq": ev.seq, "step": ev.step, "rank": self.rank, "kind": ev.kind,
                    "scope": ev.scope, "name": ev.name, "direction": ev.direction, "call": ev.call,
                    "device": ev.device, "tensors": tensors, "args": ev.args}
+            if ev.extra:
+                out.update(ev.extra)
             self.sink.write_event(out, data)
             self.events_written += 1
+        # copies of events still open (a module whose inputs were recorded) stay held
+        self._data_bytes = sum(_nbytes(t) for t in self._data.values())
 
     def end_step(self) -> None:
         """Flush and start the next step: call numbers restart, de-duplication forgets.
@@ -262,6 +298,7 @@ class Recorder:
         self._same_content.clear()
         self._kept_bytes = 0
         self._data.clear()
+        self._data_bytes = 0
         self._calls.clear()
         self.step += 1
 

@@ -8,7 +8,7 @@ import shutil
 import sys
 from typing import Iterator, List, Optional
 
-from ..errors import PrecisionDiffError, WorkloadError
+from ..errors import CaptureError, PrecisionDiffError, WorkloadError
 from . import capture
 from .filters import parse_selection
 from ..runtime.targets import Target, default_dut
@@ -39,6 +39,14 @@ def _replacing(out: "str | os.PathLike", overwrite: bool) -> Iterator[str]:
         raise
     shutil.rmtree(out)
     os.replace(fresh, out)
+
+
+def _check(cap, path: "str | os.PathLike") -> None:
+    """A capture that stopped on its own error (a full disk) fails the command, in one line."""
+    if cap.error is None:
+        return
+    reason = str(cap.error) if isinstance(cap.error, PrecisionDiffError) else cap.errors[0]
+    raise CaptureError(f"capture stopped: {reason} (the partial dump is in {path})")
 
 
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
@@ -84,6 +92,7 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
                 if overwrite and target_dir != os.fspath(path):
                     raise
                 raise WorkloadError(f"{err}; what was recorded before is kept in {path} (partial)") from err
+            _check(cap, target_dir)
         written = cap.recorder.events_written
         loss = f", loss {result.loss.item():.6g}" if result.loss is not None else ""
         lines.append(f"captured {written} events of {spec} on {tgt} ({level}/{mode}{loss}) into {path}")
@@ -121,6 +130,7 @@ def capture_script(script: str, args: List[str], out: "str | os.PathLike", *, le
                                     f"(events recorded so far are kept in {out})") from err
     finally:
         sys.argv = saved_argv
+    _check(cap, out)
     if code:
         raise WorkloadError(f"{script} exited with status {code}; the dump in {out} is kept")
     return f"captured {cap.recorder.events_written} events of {script} ({level}/{mode}) into {out}"

@@ -25,9 +25,15 @@ def base_meta() -> dict:
 class DumpSink:
     """Writes events and tensors through the store's writer."""
 
-    def __init__(self, path: "str | os.PathLike", *, format: str, meta: dict, overwrite: bool = False) -> None:
+    def __init__(self, path: "str | os.PathLike", *, format: str, meta: dict, overwrite: bool = False,
+                 **limits: int) -> None:
         from ..store import DumpWriter
-        self.writer = DumpWriter(path, format=format, meta={**base_meta(), **meta}, overwrite=overwrite)
+        self.writer = DumpWriter(path, format=format, meta={**base_meta(), **meta}, overwrite=overwrite,
+                                 **limits)
+
+    def update_meta(self, **fields: object) -> None:
+        """Fields for meta.json, written when the dump is closed."""
+        self.writer.update_meta(**fields)
 
     def write_event(self, event: dict, data: Dict[str, torch.Tensor]) -> None:
         self.writer.write_event(event, data)

@@ -129,7 +129,7 @@ class StatsBatch:
                 self.pending_elements += numel
             else:
                 vec = _stat_vector(t)
-                fp = fingerprint_tensor(t)
+                fp = fingerprint_tensor(torch.view_as_real(t) if t.element_size() not in _BITS else t)
                 self._large.setdefault(t.device, []).append((handle, vec, fp))
         return handle
 

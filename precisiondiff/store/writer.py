@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import datetime
 import errno
 import functools
 import logging
@@ -21,13 +20,15 @@ import queue
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Union
+from typing import Any, Deque, Dict, Mapping, Optional, Set, Union
 
 import torch
 
 from ..errors import DumpError
+from .files import (fsync_dir, fsync_file, h5_dataset_name, now, prepare_dir, unlink_quietly,
+                    write_json_atomic)
 from .schema import (FORMAT_VERSION, FORMATS, H5_FILE, INDEX, META, SUPPORTED_DTYPES,
-                     canonical_event, dtype_name, encode_line, is_shard_name, shard_name)
+                     canonical_event, dtype_name, encode_line, shard_name)
 
 __all__ = ["DumpWriter", "write_json_atomic", "h5_dataset_name"]
 
@@ -37,107 +38,11 @@ _MiB = 1 << 20
 _BATCH = 1024  # queue items handled before the index is appended (one fsync per batch)
 
 
-def write_json_atomic(path: Union[str, Path], obj: Mapping[str, Any]) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically: temporary file, fsync, rename.
-
-    Raises:
-        OSError: the file cannot be written.
-    """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    data = (encode_line(obj) + "\n").encode()
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def h5_dataset_name(data_key: str) -> str:
-    """Return the flat HDF5 dataset name of ``data_key`` ("%" → "%25", "/" → "%2F").
-
-    Example:
-        >>> h5_dataset_name("blocks.0/aten.mm.default#0:forward:output.0")
-        'blocks.0%2Faten.mm.default#0:forward:output.0'
-    """
-    name = data_key.replace("%", "%25").replace("/", "%2F")
-    return "%2E" if name == "." else name
-
-
-def _unlink_quietly(path: Union[str, Path]) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (best effort: not every platform allows it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Union[str, Path]) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
 def _save_safetensors(tensors: Dict[str, torch.Tensor], path: str) -> None:
     """Write one shard file (a module function so tests can simulate a full disk)."""
     from safetensors.torch import save_file
 
     save_file(tensors, path)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _dump_files(path: Path) -> List[Path]:
-    """The files in ``path`` that belong to a dump (including leftovers of a crash)."""
-    found = []
-    for p in path.iterdir():
-        base = p.name[:-4] if p.name.endswith(".tmp") else p.name
-        if base in (META, INDEX, H5_FILE) or is_shard_name(base):
-            found.append(p)
-    return found
-
-
-def _prepare_dir(path: Path, overwrite: bool) -> None:
-    if path.exists() and not path.is_dir():
-        raise DumpError(f"cannot create dump directory {path}: a file with that name exists; "
-                        "choose another output path")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DumpError(f"cannot create dump directory {path}: {err.strerror or err}; "
-                        "choose a writable output path") from err
-    existing = _dump_files(path)
-    if existing and not overwrite:
-        raise DumpError(f"{path} already holds a dump; choose another output path or "
-                        "overwrite it (--overwrite / overwrite=True)")
-    for p in existing:
-        try:
-            p.unlink()
-        except OSError as err:
-            raise DumpError(f"cannot overwrite the dump in {path}: {err.strerror or err}; "
-                            "check its permissions or choose another output path") from err
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise DumpError(f"cannot write to dump directory {path}: permission denied; "
-                        "choose a writable output path")
 
 
 class DumpWriter:
@@ -179,9 +84,9 @@ class DumpWriter:
         self._shard_bytes = int(shard_bytes)
         self._queue_bytes = int(queue_bytes)
 
-        _prepare_dir(self.path, overwrite)
+        prepare_dir(self.path, overwrite)
         self._meta = dict(meta, format_version=FORMAT_VERSION, format=format,
-                          complete=False, created=_now())
+                          complete=False, created=now())
         try:
             write_json_atomic(self.path / META, self._meta)
             self._index = open(self.path / INDEX, "ab")
@@ -265,6 +170,11 @@ class DumpWriter:
             self._next_seq += 1
             self._queue.put(("event", event, dict(data), nbytes, seq))
 
+    def update_meta(self, **fields: Any) -> None:
+        """Add fields to ``meta.json``; they are written when the dump is closed."""
+        with self._cond:
+            self._meta.update(fields)
+
     def flush(self) -> None:
         """Write the partial shard and every pending index line; wait until on disk.
 
@@ -309,7 +219,7 @@ class DumpWriter:
                 log.warning("closing %s: %s", self.path, err)
         failed = self._error is not None
         meta = dict(self._meta, complete=bool(complete) and not failed, events=self._events,
-                    tensors=self._tensors, bytes=self._bytes, closed=_now())
+                    tensors=self._tensors, bytes=self._bytes, closed=now())
         try:
             write_json_atomic(self.path / META, meta)
             self._meta = meta
@@ -439,12 +349,12 @@ class DumpWriter:
             tmp = self.path / (name + ".tmp")
             try:
                 _save_safetensors(self._buf, str(tmp))
-                _fsync_file(tmp)
+                fsync_file(tmp)
                 os.replace(tmp, final)
             except BaseException:
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
                 raise
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             self._shard_no += 1
         else:
             name = H5_FILE

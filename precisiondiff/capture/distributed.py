@@ -1,0 +1,163 @@
+"""What capture needs from torch.distributed: the process-group layout, collectives, DTensor.
+
+* :func:`layout` describes the job for ``meta.json``: rank, world size, local rank, backend and
+  every process group with its ranks.
+* :func:`collective` recognizes a collective reaching the dispatch mode (``c10d.allreduce_``,
+  ``_c10d_functional.all_reduce``...), names its group, and :func:`wait_collective` makes its
+  result ready before it is recorded: ``Work.wait()`` for c10d ops (on NCCL/CNCL this orders the
+  current stream after the communication stream, so statistics and host copies issued next
+  read the reduced values) and ``wait_tensor`` for functional collectives.
+* :func:`local_view` turns what capture meets into a plain tensor it can measure: a DTensor's
+  local shard (placements and global shape recorded beside it), an AsyncCollectiveTensor's
+  waited value; meta and fake tensors and unknown subclasses are not measured (``None``).
+
+Nothing here imports torch.distributed unless it is available and initialized.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["layout", "rank_and_world", "collective", "wait_collective", "local_view"]
+
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def _initialized() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> Tuple[int, int]:
+    """This process's rank and the world size (from the process group, else RANK/WORLD_SIZE)."""
+    if _initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def layout() -> Dict[str, Any]:
+    """The job's process-group layout for ``meta.json`` (empty when not distributed).
+
+    Returns:
+        ``{"backend", "local_rank", "groups": [{"name", "ranks", "backend"}...]}``; the
+        default group is named ``"WORLD"``.
+    """
+    out: Dict[str, Any] = {}
+    if "LOCAL_RANK" in os.environ:
+        out["local_rank"] = int(os.environ["LOCAL_RANK"])
+    if not _initialized():
+        return out
+    dist = torch.distributed
+    from torch.distributed import distributed_c10d as c10d
+    world = c10d._world.default_pg
+    out["backend"] = str(dist.get_backend())
+    groups: List[Dict[str, Any]] = []
+    for pg in list(c10d._world.pg_map):
+        try:
+            ranks = sorted(dist.get_process_group_ranks(pg))
+            backend = str(dist.get_backend(pg))
+        except (RuntimeError, ValueError):  # a group this rank is not part of
+            continue
+        groups.append({"name": "WORLD" if pg is world else _group_name(pg), "ranks": ranks,
+                       "backend": backend})
+    out["groups"] = groups
+    return out
+
+
+def _group_name(pg: Any) -> str:
+    try:
+        return str(pg.group_name)
+    except (AttributeError, RuntimeError):
+        return str(id(pg))
+
+
+def _group_of(value: Any) -> Optional[Dict[str, Any]]:
+    """``{"group", "ranks"}`` of a ProcessGroup script object or a functional group name."""
+    try:
+        if isinstance(value, torch.ScriptObject):
+            pg = torch._C._distributed_c10d.ProcessGroup.unbox(value)
+        elif isinstance(value, str):
+            from torch.distributed import distributed_c10d as c10d
+            pg = c10d._resolve_process_group(value)
+        else:
+            return None
+        name = "WORLD" if pg is torch.distributed.distributed_c10d._world.default_pg else _group_name(pg)
+        return {"group": name, "ranks": sorted(torch.distributed.get_process_group_ranks(pg))}
+    except (AttributeError, RuntimeError, ValueError, KeyError, TypeError):
+        return None
+
+
+def collective(name: str, args: tuple, kwargs: dict) -> Optional[Dict[str, Any]]:
+    """The event field of a collective (``{"op", "group", "ranks"}``), or None for other ops."""
+    if not name.startswith(_NAMESPACES):
+        return None
+    info: Dict[str, Any] = {"op": name.split(".")[1]}
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, (torch.ScriptObject, str)):
+            group = _group_of(v)
+            if group is not None:
+                info.update(group)
+                break
+    return info
+
+
+def wait_collective(name: str, out: Any) -> None:
+    """Make a collective's outputs ready (see the module docstring)."""
+    if name.startswith("_c10d_functional.") or name.startswith("c10d_functional."):
+        for t in _flat(out):
+            torch.ops._c10d_functional.wait_tensor(t)
+        return
+    for v in _flat_objects(out):
+        if isinstance(v, torch.ScriptObject):
+            try:
+                work = torch._C._distributed_c10d.Work.unbox(v)
+            except (RuntimeError, TypeError, AttributeError):
+                continue
+            work.wait()
+
+
+def _flat(value: Any) -> List[torch.Tensor]:
+    return [v for v in _flat_objects(value) if isinstance(v, torch.Tensor)]
+
+
+def _flat_objects(value: Any) -> List[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat_objects(v)]
+    return [value]
+
+
+def local_view(t: torch.Tensor) -> Tuple[Optional[torch.Tensor], Dict[str, Any]]:
+    """The plain tensor capture measures for ``t``, and fields for its record.
+
+    Returns:
+        ``(t, {})`` for a plain tensor; ``(local shard, {"placements", "global_shape",
+        "mesh"})`` for a DTensor; ``(None, {"skipped": why})`` for a tensor without data
+        (meta, fake) or a subclass capture cannot see into.
+    """
+    cls = type(t)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        if t.device.type == "meta":
+            return None, {"skipped": "meta tensor"}
+        return t, {}
+    name = cls.__name__
+    if hasattr(t, "_spec") and hasattr(t, "_local_tensor"):  # DTensor
+        spec = t._spec
+        local = t._local_tensor
+        inner, info = local_view(local)
+        fields = {"placements": [str(p) for p in spec.placements], "global_shape": list(t.shape),
+                  "mesh": list(spec.mesh.mesh.flatten().tolist())}
+        fields.update(info)
+        return inner, fields
+    if name == "AsyncCollectiveTensor" and hasattr(t, "trigger_wait"):
+        return local_view(t.trigger_wait())
+    from torch._subclasses.fake_tensor import FakeTensor
+    if isinstance(t, FakeTensor):
+        return None, {"skipped": "fake tensor"}
+    if t.device.type == "meta":
+        return None, {"skipped": "meta tensor"}
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if is_traceable_wrapper_subclass(t):
+        return None, {"skipped": f"tensor subclass {name}"}
+    return t, {}  # a subclass without its own dispatch (__torch_function__ only) holds real data

@@ -1,0 +1,351 @@
+"""Module hooks of a capture session: forward pre/post hooks, module backward through the
+autograd graph, parameter gradients, and the optimizer hooks that end a step.
+
+:class:`ModuleHooks` is a part of :class:`~precisiondiff.capture.session.CaptureSession` (its
+lifecycle, filters and recorder live there); it installs its hooks into ``self._handles``.
+Every hook guards its own work: an error of capture becomes ``capture_failed``, never an
+exception in the user's forward or backward.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .serialize import encode_args, flatten_tensors, is_replayable
+
+__all__ = ["ModuleHooks", "SCOPE_TAG", "CURRENT_NODE"]
+
+
+# Backward ops are attributed to modules through the autograd graph: when a module's forward
+# returns, the graph nodes it created are tagged with its scope; in backward, the op's scope is
+# the tag of the node the engine is running. Cheaper and more exact than module backward hooks
+# (which also miss modules whose inputs need no gradient). Feature-detected: a PyTorch without
+# torch._C._current_autograd_node attributes backward ops to the innermost module still open.
+SCOPE_TAG = "precisiondiff_scope"
+CURRENT_NODE = getattr(torch._C, "_current_autograd_node", None)
+
+
+class _Boundary:
+    """A module call's inputs as the autograd graph sees them: the nodes that produced them
+    (where tagging stops) and, per input slot, how an edge into the module is recognized."""
+
+    __slots__ = ("nodes", "slot_of")
+
+    def __init__(self, inputs: List[torch.Tensor]) -> None:
+        self.nodes: list = []
+        self.slot_of: Dict[Any, int] = {}  # id(grad_fn) or ("leaf", id(tensor)) -> input index
+        for i, t in enumerate(inputs):
+            if not t.requires_grad:
+                continue
+            if t.grad_fn is not None:
+                self.nodes.append(t.grad_fn)
+                self.slot_of.setdefault(id(t.grad_fn), i)
+            else:
+                self.slot_of.setdefault(("leaf", id(t)), i)
+
+    def key_of_id(self, identity: Any) -> Any:
+        """``identity`` (another call's boundary key) if it is one of this call's inputs too."""
+        return identity if identity in self.slot_of else None
+
+    def key(self, node: Any) -> Any:
+        """The boundary key of ``node`` if it is one of the inputs' producers, else None."""
+        if id(node) in self.slot_of:
+            return id(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad of a leaf input
+        if variable is not None and ("leaf", id(variable)) in self.slot_of:
+            return ("leaf", id(variable))
+        return None
+
+
+def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int, tuple]) -> list:
+    """Tag the autograd nodes a module call created (between its inputs and its outputs) with
+    its scope, and return the edges ``(node, index, boundary key)`` along which gradients leave
+    the module towards its inputs.
+
+    Inner modules return first, so a node keeps the innermost scope; an inner call's output
+    node carries a shortcut to the inner call's input nodes and edges, so each node is walked
+    once (reading ``next_functions`` is the expensive part)."""
+    outputs = [t.grad_fn for t in flatten_tensors(output) if t.grad_fn is not None]
+    stack = list(outputs)
+    seen: set = set()
+    edges: list = []
+    while stack:
+        node = stack.pop()
+        key = id(node)
+        if key in seen or boundary.key(node) is not None:
+            continue
+        seen.add(key)
+        jump = shortcuts.get(key)
+        if jump is not None:  # an inner module's output: continue from that module's inputs
+            inner_nodes, inner_edges = jump
+            edges.extend((n, j, boundary.key_of_id(k)) for n, j, k in inner_edges
+                         if boundary.key_of_id(k) is not None)
+            stack.extend(inner_nodes)
+            continue
+        metadata = node.metadata
+        if SCOPE_TAG not in metadata:
+            metadata[SCOPE_TAG] = scope
+        for j, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            target = boundary.key(nxt)
+            if target is not None:
+                edges.append((node, j, target))
+            else:
+                stack.append(nxt)
+    # what an outer module needs to skip this call: its input nodes, and its edges with the
+    # identity of the node each one reaches (to be matched against the outer call's inputs)
+    # (a key, id(grad_fn) or ("leaf", id(tensor)), names the same input in every call's boundary)
+    # An output that is one of the inputs (an identity module: Dropout in eval mode) created no
+    # node: a shortcut there would hide, from an outer module, the nodes that produced it.
+    for node in outputs:
+        if boundary.key(node) is None:
+            shortcuts[id(node)] = (boundary.nodes, edges)
+    return edges
+
+
+class ModuleHooks:
+    """Hook installation and the module-level events of a capture session (a mixin)."""
+
+    # -- installing hooks --------------------------------------------------------------------
+    def _register_names(self, root: nn.Module, prefix: str) -> None:
+        for name, module in root.named_modules():
+            if module not in self._names:
+                self._names[module] = f"{prefix}.{name}" if prefix and name else (prefix or name)
+        for module in root.modules():
+            for pname, param in module.named_parameters(recurse=False):
+                if param.requires_grad and id(param) not in self._param_owner:
+                    self._param_owner[id(param)] = (self._names[module], type(module).__name__, pname)
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _hook_model(self, model: nn.Module) -> None:
+        self._register_names(model, "")
+        for module in model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._fwd_pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._fwd_post, with_kwargs=True,
+                                                              always_call=True))
+        # optimizer.step(): parameter gradients are taken before it (zero_grad may follow before
+        # cap.step()), and its updates are not the model's numerics
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._resume))
+
+    def _hook_globally(self) -> None:
+        from torch.nn.modules import module as nn_module
+        self._handles.append(nn_module.register_module_forward_pre_hook(self._global_fwd_pre))
+        self._handles.append(nn_module.register_module_forward_hook(self._global_fwd_post, always_call=True))
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
+
+    def _global_fwd_pre(self, module: nn.Module, args: Any) -> None:
+        if module not in self._names:
+            prefix = "" if self._roots == 0 else f"{type(module).__name__}_{self._roots}"
+            self._roots += 1
+            self._register_names(module, prefix)
+        self._fwd_pre(module, args, {})
+
+    def _global_fwd_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._fwd_post(module, args, {}, output)
+
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self._emit_pending_backward()
+            self._emit_param_grads()
+        except Exception as err:  # noqa: BLE001
+            self.capture_failed(err)
+        self.paused = True  # the update itself is not part of the model's numerics
+
+    def _resume(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.paused = False
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.paused = False
+        self.step()
+
+    # -- module hooks ------------------------------------------------------------------------
+    def _wants(self, module: nn.Module) -> bool:
+        return (self.level in ("module", "all") and self.recording and not self.paused
+                and self.filter.want_scope(self._names.get(module, "")))
+
+    def _fwd_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        scope = self._names.get(module, "")
+        self._stack.append(scope)
+        if torch.is_grad_enabled() and self.recording:
+            inputs = flatten_tensors((args, kwargs))
+            self._boundaries.setdefault(id(module), []).append((_Boundary(inputs), len(inputs)))
+        if not self._wants(module):
+            return
+        self.paused = True
+        try:
+            self._record_inputs(module, scope, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - capture's error, not the workload's
+            self.capture_failed(err)
+        finally:
+            self.paused = False
+
+    def _record_inputs(self, module: nn.Module, scope: str, args: Any, kwargs: Any) -> None:
+        rec = self.recorder
+        event = rec.begin("module", scope, type(module).__name__, "forward")
+        with torch.no_grad():
+            for i, t in enumerate(flatten_tensors((args, kwargs))):
+                if id(t) not in event.slots:
+                    rec.add(event, f"input.{i}", t)
+            if rec.mode == "replay":
+                for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+                    rec.add(event, f"param.{name}", p)
+        encoded = None
+        if rec.mode == "replay":
+            slot = lambda t: rec.slot_of(event, t)  # noqa: E731
+            encoded = {"args": encode_args(list(args), slot), "kwargs": encode_args(dict(kwargs), slot),
+                       "training": module.training}
+            encoded["replayable"] = is_replayable(encoded)
+        self._fwd_inputs.setdefault(id(module), []).append((event, encoded))
+
+    def _fwd_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        scope = self._names.get(module, "")
+        if scope in self._stack:
+            del self._stack[len(self._stack) - 1 - self._stack[::-1].index(scope)]
+        boundaries = self._boundaries.get(id(module))
+        if boundaries:
+            boundary, n_inputs = boundaries.pop()
+            try:
+                edges = _tag_graph(output, scope, boundary, self._shortcuts)
+                if self._wants(module):
+                    self._watch_backward(module, scope, output, boundary, edges, n_inputs)
+            except Exception as err:  # noqa: BLE001
+                self.capture_failed(err)
+        pending = self._fwd_inputs.get(id(module))
+        if not pending:
+            return
+        event, encoded = pending.pop()
+        if self.errors:
+            return
+        self.paused = True
+        try:
+            with torch.no_grad():
+                for i, t in enumerate(flatten_tensors(output)):
+                    self.recorder.add(event, f"output.{i}", t)
+            self.recorder.finish(event, args=encoded)
+        except Exception as err:  # noqa: BLE001
+            self.capture_failed(err)
+        finally:
+            self.paused = False
+
+    # -- module backward: hooks on the autograd graph, not on the module ----------------------
+    # Module backward hooks wrap a module's outputs in views, and PyTorch forbids modifying those
+    # in place (nn.ReLU(inplace=True) after a BatchNorm, `out += x` in a ResNet block). Instead
+    # grad_output comes from pre-hooks on the nodes that produced the outputs (they see the
+    # gradient of the value the module returned, even if it is modified in place afterwards), and
+    # grad_input from post-hooks on the module's nodes whose edges lead to its inputs: exactly
+    # the module's own contribution, as the module hooks gave.
+    def _watch_backward(self, module: nn.Module, scope: str, output: Any, boundary: "_Boundary",
+                        edges: list, n_inputs: int) -> None:
+        outputs = flatten_tensors(output)
+        call = {"scope": scope, "name": type(module).__name__, "outputs": {}, "inputs": {},
+                "remaining": 0, "step": self.recorder.step, "done": False}
+        for k, t in enumerate(outputs):
+            if not t.requires_grad:
+                continue
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._grad_output_hook(call, k, t.output_nr))
+            else:
+                t.register_hook(self._grad_output_hook(call, k, None))
+            call["remaining"] += 1
+        for node, j, key in edges:
+            node.register_hook(self._grad_input_hook(call, boundary.slot_of[key], j))
+            call["remaining"] += 1
+        if call["remaining"]:
+            self._backward_calls.append(call)
+
+    def _grad_output_hook(self, call: dict, k: int, output_nr: Optional[int]) -> Any:
+        def hook(grads: Any) -> None:
+            grad = grads if output_nr is None else grads[output_nr]
+            if isinstance(grad, torch.Tensor):
+                call["outputs"][k] = grad
+            self._arrived(call)
+        return hook
+
+    def _grad_input_hook(self, call: dict, i: int, j: int) -> Any:
+        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+            grad = grad_inputs[j]
+            if isinstance(grad, torch.Tensor):
+                # capture's own arithmetic: not an op of the model's backward
+                was_paused, self.paused = self.paused, True
+                try:
+                    with torch.no_grad():
+                        prev = call["inputs"].get(i)
+                        call["inputs"][i] = grad if prev is None else prev + grad
+                finally:
+                    self.paused = was_paused
+            self._arrived(call)
+        return hook
+
+    def _arrived(self, call: dict) -> None:
+        call["remaining"] -= 1
+        if call["remaining"] == 0:
+            self._emit_backward(call)
+
+    def _emit_backward(self, call: dict) -> None:
+        """Record a module's backward call once its gradients have arrived (or at step end)."""
+        if (call["done"] or self._closed or self.recorder is None or call["step"] != self.recorder.step
+                or self.errors):
+            return
+        call["done"] = True
+        was_paused, self.paused = self.paused, True
+        try:
+            event = self.recorder.begin("module", call["scope"], call["name"], "backward")
+            with torch.no_grad():
+                for k, grad in sorted(call["outputs"].items()):
+                    self.recorder.add(event, f"grad_output.{k}", grad)
+                for i, grad in sorted(call["inputs"].items()):
+                    self.recorder.add(event, f"grad_input.{i}", grad)
+            self.recorder.finish(event)
+        except Exception as err:  # noqa: BLE001
+            self.capture_failed(err)
+        finally:
+            self.paused = was_paused
+
+    def _emit_pending_backward(self) -> None:
+        """Backward calls whose gradients did not all arrive (a branch not in the loss)."""
+        for call in self._backward_calls:
+            if not call["done"] and (call["outputs"] or call["inputs"]):
+                self._emit_backward(call)
+        self._backward_calls.clear()
+
+    # -- parameter gradients -----------------------------------------------------------------
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if self.recording:
+            self._touched[id(param)] = param
+
+    def _emit_param_grads(self) -> None:
+        """One ``param`` event per module whose parameters received gradients this step."""
+        if not self._touched or self.recorder is None:
+            return
+        by_module: Dict[tuple, list] = {}
+        for param in list(self._touched.values()):
+            owner = self._param_owner.get(id(param))
+            if owner is not None and param.grad is not None:
+                by_module.setdefault(owner[:2], []).append((owner[2], param.grad))
+        self._touched = weakref.WeakValueDictionary()
+        if self.level == "op":
+            by_module = {}
+        self.paused = True
+        try:
+            for (scope, cls), grads in by_module.items():
+                if not self.filter.want_scope(scope):
+                    continue
+                event = self.recorder.begin("param", scope, cls, "backward")
+                with torch.no_grad():
+                    for pname, grad in grads:
+                        self.recorder.add(event, f"param_grad.{pname}", grad)
+                self.recorder.finish(event)
+        except Exception as err:  # noqa: BLE001
+            self.capture_failed(err)
+        finally:
+            self.paused = False
+
+
