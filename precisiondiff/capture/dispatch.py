@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .distributed import collective, wait_collective
+from .distributed import collective, destinations, wait_collective
 from .ran_on import ran_on
 from .serialize import encode_args, flatten_tensors, is_replayable
 
@@ -50,6 +50,7 @@ def _overwritten(name: str, args: tuple, kwargs: dict) -> set:
     ids = {id(v) for v in flatten_tensors(kwargs.get("out")) if _storage(v) not in read}
     if name in _OVERWRITES_SELF and args and isinstance(args[0], torch.Tensor):
         ids.add(id(args[0]))
+    ids.update(id(t) for t in destinations(name, args))
     return ids
 
 
@@ -121,8 +122,9 @@ class OpCaptureMode(TorchDispatchMode):
             wait_collective(name, out)
             event.extra = {"collective": group}
         # An in-place op returns its mutated input; its version counter is bumped only after this
-        # mode returns, so de-duplication would take it for the unmodified tensor.
-        mutated = func._schema.is_mutable
+        # mode returns, so de-duplication would take it for the unmodified tensor. c10d ops write
+        # their tensors without declaring it in their schema.
+        mutated = func._schema.is_mutable or group is not None
         with torch.no_grad():
             for i, t in enumerate(flatten_tensors(out)):
                 rec.add(event, f"output.{i}", t, fresh=mutated)

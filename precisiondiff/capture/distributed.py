@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["layout", "rank_and_world", "collective", "wait_collective", "local_view"]
+__all__ = ["layout", "rank_and_world", "collective", "wait_collective", "destinations", "local_view"]
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 
@@ -110,12 +110,25 @@ def wait_collective(name: str, out: Any) -> None:
             torch.ops._c10d_functional.wait_tensor(t)
         return
     for v in _flat_objects(out):
-        if isinstance(v, torch.ScriptObject):
-            try:
-                work = torch._C._distributed_c10d.Work.unbox(v)
-            except (RuntimeError, TypeError, AttributeError):
-                continue
-            work.wait()
+        # the c10d Work as the dispatcher returns it (Work.unbox of it aborts the process)
+        if isinstance(v, torch.ScriptObject) and v._has_method("wait"):
+            v.wait()
+
+
+# c10d ops whose first argument is a destination the collective writes without reading
+_DESTINATION_FIRST = {"c10d._allgather_base_.default", "c10d.allgather_.default",
+                      "c10d.allgather_coalesced_.default", "c10d.allgather_into_tensor_coalesced_.default",
+                      "c10d._reduce_scatter_base_.default", "c10d.reduce_scatter_.default",
+                      "c10d.reduce_scatter_tensor_coalesced_.default", "c10d.alltoall_base_.default",
+                      "c10d.alltoall_.default", "c10d.gather_.default", "c10d.scatter_.default",
+                      "c10d.recv_.default", "c10d.recv_any_source_.default"}
+
+
+def destinations(name: str, args: tuple) -> List[torch.Tensor]:
+    """Tensors a collective overwrites without reading (not inputs: their contents are noise)."""
+    if name not in _DESTINATION_FIRST or not args:
+        return []
+    return [v for v in _flat_objects(args[0]) if isinstance(v, torch.Tensor)]
 
 
 def _flat(value: Any) -> List[torch.Tensor]:

@@ -38,8 +38,9 @@ from .capture import capture as _capture, refuse_workload_with_script  # noqa: E
 from .compare import compare as _compare, report as _report, scan as _scan  # noqa: E402
 from .inspect import ls_command as _ls, verify as _verify  # noqa: E402
 from .probe import probe as _probe  # noqa: E402
+from .ranks import ranks as _ranks  # noqa: E402
 
-for _command in (_capture, _ls, _verify, _compare, _report, _scan, _bisect, _probe):
+for _command in (_capture, _ls, _verify, _compare, _report, _scan, _bisect, _probe, _ranks):
     cli.add_command(_command)
 
 

@@ -1,0 +1,157 @@
+"""Capture inside real 2-rank gloo jobs (torch.multiprocessing.spawn on 127.0.0.1).
+
+One job runs every scenario of workers.py (collectives, DDP, FSDP2, tensor parallel) once for
+the module; each test reads the dumps it left. Values asserted are exact by construction
+(sums of small integers, bitwise replicas), never a stock kernel's rounding.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import precisiondiff.store as store
+from precisiondiff.compare.ranks import check_replicas
+from tests.conftest import pd_cli
+from tests.distributed import workers
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("job")
+    mp.spawn(workers.run, args=(2, free_port(), str(out), list(workers.SCENARIOS)), nprocs=2)
+    return out
+
+
+def _events(path):
+    return [json.loads(line) for line in (path / "index.jsonl").read_text().splitlines()]
+
+
+def _op(events, name, call=0):
+    found = [e for e in events if e["name"] == name]
+    return found[call]
+
+
+def _slot(event, slot):
+    return next(t for t in event["tensors"] if t["slot"] == slot)
+
+
+def test_one_dump_per_rank_with_the_process_group_layout(job):
+    for rank in (0, 1):
+        meta = json.loads((job / "coll" / f"rank{rank}" / "meta.json").read_text())
+        assert meta["rank"] == rank and meta["world_size"] == 2 and meta["complete"] is True
+        assert meta["backend"] == "gloo"
+        assert {"name": "WORLD", "ranks": [0, 1], "backend": "gloo"} in meta["groups"]
+    dump = store.load(job / "coll")
+    assert sorted(dump.ranks) == [0, 1] and dump.complete
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_collectives_are_recorded_when_their_result_is_ready(job, rank):
+    events = _events(job / "coll" / f"rank{rank}")
+    sync, async_ = (_op(events, "c10d.allreduce_.default", i) for i in (0, 1))
+    for ev in (sync, async_):
+        assert ev["collective"] == {"op": "allreduce_", "group": "WORLD", "ranks": [0, 1]}
+        assert _slot(ev, "input.0")["stats"]["max"] == rank + 1  # before: this rank's value
+        assert _slot(ev, "output.0")["stats"]["min"] == _slot(ev, "output.0")["stats"]["max"] == 3.0
+    dump = store.load(job / "coll")
+    assert torch.equal(dump.tensor(_slot(async_, "output.0")["key"], rank=rank), torch.full((3,), 3.0))
+    functional = _op(events, "_c10d_functional.all_reduce.default")
+    assert functional["collective"]["group"] == "WORLD"
+    plain = torch.load(job / f"plain-coll-{rank}.pt", weights_only=True)
+    # the functional all_reduce's output as the next op read it: (y0 + y1), then + 1
+    reduced = dump.tensor(_slot(functional, "output.0")["key"], rank=rank)
+    assert torch.equal(reduced + 1, plain["g"])
+    gather = _op(events, "c10d.allgather_.default")
+    assert [_slot(gather, f"output.{i}")["stats"]["max"] for i in (0, 1)] == [0.0, 1.0]
+    assert not any(t["slot"].startswith("input.0") for t in gather["tensors"])  # destinations
+
+
+def test_replicas_are_identical_across_ranks(job):
+    for name, rules in (("coll", {"collective output"}), ("ddp", {"DDP gradient", "collective output"}),
+                        ("tp", {"replicated DTensor", "collective output"})):
+        report = check_replicas(job / name)
+        assert report.ok, report.summary()
+        assert rules <= set(report.by_rule), (name, report.by_rule)
+
+
+def test_a_replica_that_differs_is_flagged(job, tmp_path):
+    dump = tmp_path / "ddp"
+    shutil.copytree(job / "ddp", dump)
+    index = dump / "rank1" / "index.jsonl"
+    events = _events(dump / "rank1")
+    param = next(e for e in events if e["kind"] == "param")
+    param["tensors"][0]["stats"]["fingerprint"] = "0" * 32  # rank 1 got another gradient
+    index.write_text("".join(json.dumps(e) + "\n" for e in events))
+    report = check_replicas(dump)
+    assert [m.key for m in report.mismatches] == [param["tensors"][0]["key"]]
+    assert report.mismatches[0].groups in ([[0], [1]], [[1], [0]])
+    r = pd_cli("ranks", str(dump))
+    assert r.returncode == 1 and "DIFFER" in r.stdout, r.stdout + r.stderr
+    r = pd_cli("ranks", str(job / "ddp" / "rank0"))
+    assert r.returncode == 2 and "one rank" in r.stderr
+
+
+def test_ddp_capture_does_not_change_the_step(job):
+    for rank in (0, 1):
+        plain = torch.load(job / f"plain-ddp-{rank}.pt", weights_only=True)
+        assert torch.equal(plain["loss"][0], plain["loss"][1])
+        assert all(torch.equal(a, b) for a, b in zip(*plain["params"]))
+    events = _events(job / "ddp" / "rank0")
+    bucket = next(e for e in events if e["name"] == "c10d.allreduce_.default")
+    assert bucket["direction"] == "backward" and bucket["collective"]["ranks"] == [0, 1]
+
+
+def test_fsdp2_is_captured_on_local_shards(job):
+    for rank in (0, 1):
+        meta = json.loads((job / "fsdp" / f"rank{rank}" / "meta.json").read_text())
+        assert meta["complete"] is True and "capture_errors" not in meta
+        events = _events(job / "fsdp" / f"rank{rank}")
+        grads = {t["slot"]: t for e in events if e["kind"] == "param" and e["scope"] == "0" for t in e["tensors"]}
+        weight = grads["param_grad.weight"]
+        assert weight["shape"] == [8, 8] and weight["global_shape"] == [16, 8]  # dim 0 sharded 2 ways
+        assert weight["placements"] == ["S(0)"]
+        gathers = [e for e in events if e["name"] == "c10d._allgather_base_.default"]
+        assert gathers and all(e["collective"]["ranks"] == [0, 1] for e in gathers)
+        # the all-gathered parameters are the unsharded model's (same seed): Linear 0's weight
+        # and bias, 16*8 + 16 values, whatever the flat buffer's padding
+        full = workers._model()[0]
+        first = next(e for e in gathers if e["direction"] == "forward")
+        assert _slot(first, "output.0")["stats"]["max"] == pytest.approx(
+            max(full.weight.max().item(), full.bias.max().item()), abs=0)
+    assert check_replicas(job / "fsdp").ok
+
+
+def test_tensor_parallel_is_captured_with_placements(job):
+    dump = store.load(job / "tp")
+    full = workers._model()
+    expected = full(workers._inputs(0))
+    for rank in (0, 1):
+        events = _events(job / "tp" / f"rank{rank}")
+        colwise = next(e for e in events if e["kind"] == "param" and e["scope"] == "0")
+        weight = _slot(colwise, "param_grad.weight")
+        assert weight["placements"] == ["S(0)"] and weight["shape"] == [8, 8] and weight["global_shape"] == [16, 8]
+        root = next(e for e in events if e["kind"] == "module" and e["scope"] == "" and e["direction"] == "forward")
+        out = dump.tensor(_slot(root, "output.0")["key"], rank=rank)
+        assert torch.allclose(out, expected, rtol=0, atol=1e-5)  # rowwise partial sums, reduced
+        plain = torch.load(job / f"plain-tp-{rank}.pt", weights_only=True)
+        assert torch.equal(out, plain["y"])
+
+
+def test_compare_runs_rank_by_rank(job):
+    r = pd_cli("compare", str(job / "tp"), str(job / "tp"))
+    assert r.returncode == 0, r.stdout + r.stderr
