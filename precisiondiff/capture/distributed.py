@@ -25,6 +25,11 @@ __all__ = ["layout", "rank_and_world", "collective", "wait_collective", "destina
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 
 
+def is_initialized() -> bool:
+    """Whether a default process group exists."""
+    return _initialized()
+
+
 def _initialized() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized()

@@ -109,6 +109,7 @@ class CaptureSession(ModuleHooks):
         self._shortcuts: Dict[int, tuple] = {}  # keyed by id(node); cleared every step
         self._backward_calls: List[dict] = []  # module backward calls waiting for gradients
         self._closed = False
+        self._layout: Dict[str, Any] = {}  # the process groups as last seen at a step's end
         self.error: Optional[BaseException] = None
         self.recorder: Optional[Recorder] = None
 
@@ -186,7 +187,10 @@ class CaptureSession(ModuleHooks):
                 self.capture_failed(err)
         note = getattr(self._sink, "update_meta", None)
         if note is not None:
-            fields: Dict[str, Any] = distributed.layout()  # groups created during the run
+            # groups created during the run (a script may destroy them before capture ends)
+            fields: Dict[str, Any] = distributed.layout()
+            if "groups" not in fields:
+                fields.update(self._layout)
             if self.errors:
                 fields["capture_errors"] = list(self.errors)
             try:
@@ -216,6 +220,8 @@ class CaptureSession(ModuleHooks):
 
     def step(self) -> None:
         """End a training step: emit parameter gradients, then number events from step+1."""
+        if distributed.is_initialized():
+            self._layout = distributed.layout()
         if self.errors:
             self.recorder.step += 1
             return
