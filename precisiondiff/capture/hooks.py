@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..errors import PrecisionDiffError
+from .dispatch import in_backward
 from .serialize import encode_args, flatten_tensors, is_replayable
 
 __all__ = ["ModuleHooks", "SCOPE_TAG", "CURRENT_NODE"]
@@ -107,13 +109,23 @@ def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int
     return edges
 
 
+def _without_orig_mod(name: str) -> str:
+    """A module path with torch.compile's ``_orig_mod`` wrapper level left out."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 class ModuleHooks:
     """Hook installation and the module-level events of a capture session (a mixin)."""
+
+    _recomputing = 0  # depth of module calls re-run by activation checkpointing
 
     # -- installing hooks --------------------------------------------------------------------
     def _register_names(self, root: nn.Module, prefix: str) -> None:
         for name, module in root.named_modules():
             if module not in self._names:
+                name = _without_orig_mod(name)
                 self._names[module] = f"{prefix}.{name}" if prefix and name else (prefix or name)
         for module in root.modules():
             for pname, param in module.named_parameters(recurse=False):
@@ -142,6 +154,11 @@ class ModuleHooks:
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
 
     def _global_fwd_pre(self, module: nn.Module, args: Any) -> None:
+        if type(module).__name__ == "OptimizedModule" and not self.errors:
+            # dynamo under capture's hooks and dispatch mode would not run what it compiles
+            self.capture_failed(PrecisionDiffError(
+                "the script calls a torch.compile'd module, which capture cannot record as compiled: "
+                "capture it without torch.compile (e.g. TORCHDYNAMO_DISABLE=1)"))
         if module not in self._names:
             prefix = "" if self._roots == 0 else f"{type(module).__name__}_{self._roots}"
             self._roots += 1
@@ -174,10 +191,16 @@ class ModuleHooks:
     def _fwd_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         scope = self._names.get(module, "")
         self._stack.append(scope)
-        if torch.is_grad_enabled() and self.recording:
+        # A forward during backward is activation checkpointing recomputing what the forward
+        # already recorded: its graph is tagged (so its backward ops get their module's scope)
+        # but neither it nor its ops are recorded again.
+        recompute = self._recomputing > 0 or in_backward()
+        if recompute:
+            self._recomputing += 1
+        if torch.is_grad_enabled() and (self.recording or recompute):
             inputs = flatten_tensors((args, kwargs))
             self._boundaries.setdefault(id(module), []).append((_Boundary(inputs), len(inputs)))
-        if not self._wants(module):
+        if recompute or not self._wants(module):
             return
         self.paused = True
         try:
@@ -218,6 +241,9 @@ class ModuleHooks:
                     self._watch_backward(module, scope, output, boundary, edges, n_inputs)
             except Exception as err:  # noqa: BLE001
                 self.capture_failed(err)
+        if self._recomputing:
+            self._recomputing -= 1
+            return
         pending = self._fwd_inputs.get(id(module))
         if not pending:
             return

@@ -121,7 +121,8 @@ class CaptureSession(ModuleHooks):
     @property
     def recording(self) -> bool:
         """Whether events of the current step and rank are being recorded."""
-        return (self.recorder is not None and not self.errors and self.filter.want_rank(self.rank)
+        return (self.recorder is not None and not self.errors and not self._recomputing
+                and self.filter.want_rank(self.rank)
                 and self.filter.want_step(self.recorder.step))
 
     def current_scope(self, backward: bool = False) -> str:
