@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import runpy
 import shutil
@@ -11,6 +12,7 @@ from typing import Iterator, List, Optional
 from ..errors import CaptureError, PrecisionDiffError, WorkloadError
 from . import capture
 from .filters import parse_selection
+from .observer import compare_snapshots, same_rng, snapshot
 from ..runtime.targets import Target, default_dut
 from ..runtime.workload import load_workload, run_workload
 
@@ -76,6 +78,14 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         model = tgt.prepare_model(workload.model)
         model.train(train or workload.train)
         inputs = tgt.prepare_inputs(workload.inputs)
+        # observer effect: step 0 once without capture, from the same weights and RNG state
+        with same_rng(tgt.device):
+            plain_model = copy.deepcopy(model)
+            plain = run_workload(workload, tgt, model=plain_model, inputs=inputs)
+            tgt.synchronize()
+            reference = snapshot(plain.output, plain.loss, plain_model)
+            del plain_model, plain
+        observed = None
         meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
                 "backward": workload.loss is not None, "repeat": run}
         with _replacing(path, overwrite) as target_dir:
@@ -83,9 +93,16 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
                 with capture(target_dir, model=model, level=level, mode=mode, format=format,
                              steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
                              **filters) as cap:
-                    for _ in range(n_steps):
+                    for i in range(n_steps):
                         result = run_workload(workload, tgt, model=model, inputs=inputs)
                         tgt.synchronize()
+                        if i == 0:
+                            cap.paused = True  # capture's own copies are not the model's ops
+                            try:
+                                observed = compare_snapshots(reference, snapshot(result.output, result.loss, model))
+                            finally:
+                                cap.paused = False
+                            cap.update_meta(observer_effect=observed)
                         cap.step()
                         model.zero_grad(set_to_none=True)
             except WorkloadError as err:
@@ -96,6 +113,10 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         written = cap.recorder.events_written
         loss = f", loss {result.loss.item():.6g}" if result.loss is not None else ""
         lines.append(f"captured {written} events of {spec} on {tgt} ({level}/{mode}{loss}) into {path}")
+        if observed is not None and not observed["bitwise_equal"]:
+            what = ", ".join(d["what"] for d in observed["differs"][:4])
+            lines.append(f"warning: the captured step differs from the same step without capture ({what}); "
+                         "see observer_effect in meta.json")
     return "\n".join(lines)
 
 

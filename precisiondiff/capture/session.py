@@ -204,6 +204,12 @@ class CaptureSession(ModuleHooks):
             self.capture_failed(err)
         self._closed = True  # graph hooks still attached to live tensors fire into nothing
 
+    def update_meta(self, **fields: Any) -> None:
+        """Fields for the dump's meta.json, written when the session closes (dump sinks only)."""
+        update = getattr(self._sink, "update_meta", None)
+        if update is not None:
+            update(**fields)
+
     def capture_failed(self, err: BaseException) -> None:
         """Capture's own error: stop recording, note it, warn once. Never raises."""
         if self.errors:

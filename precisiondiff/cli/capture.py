@@ -21,12 +21,14 @@ __all__ = ["capture", "refuse_workload_with_script"]
 @click.option("--repeat", type=int, default=1, show_default=True,
               help="capture N times into OUT/run0..run{N-1} to measure run-to-run determinism")
 @click.option("--overwrite", is_flag=True, help="replace an existing dump in OUT")
+@click.option("--max-host-memory", "max_host_memory", default="2GiB", show_default=True, metavar="SIZE",
+              help="host memory for tensor copies waiting to be written (tensors/replay modes), e.g. 512MiB")
 def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, op, op_exclude,
-            steps, ranks, script, views, train, repeat, overwrite) -> None:
+            steps, ranks, script, views, train, repeat, overwrite, max_host_memory) -> None:
     """Capture a workload (path/file.py:fn, package.module:fn or hf:PATH) or a script into a dump."""
     from ..capture.runner import capture_script, capture_workload
     filters = dict(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
-                   ranks=ranks, views=views)
+                   ranks=ranks, views=views, max_host_memory=parse_size(max_host_memory))
     if script:
         if target:
             raise PrecisionDiffError("--target has no effect with --script: the script places its model "
@@ -50,8 +52,22 @@ def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, 
     click.echo(summary)
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"``, ``"2G"``, ``"1000000"`` -> bytes; a malformed size is a one-line error."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PrecisionDiffError(f"bad size {text!r}: use a number of bytes or e.g. 512MiB, 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 _VALUED = {"-o", "--out", "-t", "--target", "--level", "--mode", "--format", "--seed", "--scope",
-           "--scope-exclude", "--op", "--op-exclude", "--steps", "--ranks", "--script", "--repeat"}
+           "--scope-exclude", "--op", "--op-exclude", "--steps", "--ranks", "--script", "--repeat",
+           "--max-host-memory"}
 
 
 def refuse_workload_with_script(args: list) -> None:

@@ -44,6 +44,7 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
 
     from ..capture.filters import compile_regex
     from ..store import load
+    from ..store.notes import meta_notes
     scope_re, name_re = compile_regex(scope, "--scope"), compile_regex(name, "--name")
     dump = load(path)
     meta = dump.meta
@@ -51,6 +52,9 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
     console.print(f"[bold]{path}[/]: target {meta.get('target', '?')}, {meta.get('level', '?')}/"
                   f"{meta.get('mode', '?')}, {meta.get('format', '?')}, torch {meta.get('torch', '?')}, "
                   f"{state}")
+    for rank, sub in sorted(dump.ranks.items()):
+        for note in meta_notes(sub.meta):
+            console.print(f"[yellow]note:[/] {f'rank{rank}: ' if len(dump.ranks) > 1 else ''}{note}")
     table = Table(show_lines=False, header_style="bold", pad_edge=False)
     for col in ("seq", "step", "kind", "dir", "scope", "name", "#", "device", "slot", "dtype", "shape",
                 "min", "max", "mean", "norm", "nan/inf", "data"):
