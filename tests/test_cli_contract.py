@@ -5,7 +5,8 @@ from click.testing import CliRunner
 from precisiondiff.cli import cli
 
 CONTRACT = {
-    "capture": ["-o", "--target", "--level", "--mode", "--format", "--seed", "--scope", "--op", "--steps", "--script"],
+    "capture": ["-o", "--target", "--level", "--mode", "--format", "--seed", "--scope", "--op", "--steps", "--script",
+                "--max-host-memory"],
     "ls": [],
     "verify": [],
     "scan": [],
@@ -13,6 +14,7 @@ CONTRACT = {
     "report": ["-o"],
     "bisect": ["--target", "--ref", "--format", "-o", "--workload"],
     "probe": ["--target", "--ops", "--format", "-o", "--diff"],
+    "ranks": ["--replicated", "--json"],
 }
 
 
