@@ -15,6 +15,7 @@ import torch
 from ..store.schema import SUPPORTED_DTYPES, tensor_key
 from .distributed import local_view
 from .stats import StatsBatch
+from .streams import StreamSet
 
 __all__ = ["Sink", "MemorySink", "Recorder", "PendingEvent", "make_key", "MODES"]
 
@@ -138,6 +139,7 @@ class Recorder:
         self._kept_bytes = 0
         self.host_bytes = host_bytes
         self._data_bytes = 0  # host copies not yet handed to the sink
+        self._streams = StreamSet()  # accelerator streams tensors of this batch were recorded on
         self.step = 0
         self.seq = 0
         self.events_written = 0
@@ -174,6 +176,8 @@ class Recorder:
         t, extra = local_view(t)
         if t is None:
             return self._add_unmeasured(event, slot, original, extra)
+        if t.device.type != "cpu":
+            self._streams.note(t.device)
         if store and self.stores_data and t.dtype not in SUPPORTED_DTYPES:
             store, extra = False, {**extra, "not_stored": "no dump encoding for this dtype"}
         # Keys carry the step when the dump holds several: always for an explicit multi-step
@@ -266,6 +270,7 @@ class Recorder:
         """Read back all queued statistics at once and emit pending events in order."""
         if not self._pending:
             return
+        self._streams.join()
         self._stats.resolve()
         pending, self._pending = self._pending, []
         for ev in pending:

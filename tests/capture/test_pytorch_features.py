@@ -285,3 +285,40 @@ def test_warnings_as_errors_do_not_reach_the_workload(tmp_path, monkeypatch):
         with precisiondiff.capture(tmp_path / "d", model=model) as cap:
             model(torch.randn(2, 4))
     assert cap.errors
+
+
+def test_read_back_waits_for_every_stream_tensors_were_recorded_on(monkeypatch):
+    """Device-generic stream ordering, with a stand-in device module (no accelerator here)."""
+    from precisiondiff.capture import streams
+
+    class Stream:
+        def __init__(self, sid):
+            self.stream_id, self.waited = sid, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.stream_id)
+
+        def __eq__(self, other):
+            return self.stream_id == other.stream_id
+
+        def __hash__(self):
+            return self.stream_id
+
+    side, default = Stream(7), Stream(0)
+    state = {"current": side}
+
+    class Module:
+        @staticmethod
+        def current_stream(device):
+            return state["current"]
+
+    monkeypatch.setattr(streams, "_module", lambda device: Module)
+    noted = streams.StreamSet()
+    dev = torch.device("cuda", 0)
+    noted.note(dev)  # recorded while the user's side stream was current
+    state["current"] = default
+    noted.note(dev)
+    noted.join()  # read back on the default stream
+    assert default.waited == [7] and side.waited == []
+    noted.join()
+    assert default.waited == [7]  # forgotten after a join
