@@ -1,6 +1,6 @@
 """No observer effect: a captured step must compute exactly what the same step computes without
-capture. The workload runner runs step 0 once uninstrumented (same model copy, same inputs, same
-RNG state), then under capture, and compares the outputs, the loss and every parameter gradient
+capture. The workload runner runs step 0 under capture, then once more uninstrumented (on a copy of
+the model taken before any hook, same inputs, same RNG state), and compares the outputs, the loss and every parameter gradient
 bit for bit. The verdict goes into ``meta.json`` as ``observer_effect``:
 
 ``{"checked": [...], "bitwise_equal": true}`` or, when capture changed the run,
@@ -15,7 +15,7 @@ import torch
 
 from .serialize import flatten_tensors
 
-__all__ = ["Snapshot", "snapshot", "compare_snapshots", "same_rng"]
+__all__ = ["Snapshot", "snapshot", "compare_snapshots", "rng_state", "set_rng_state", "restored_rng"]
 
 Snapshot = List[Tuple[str, torch.Tensor]]
 
@@ -77,17 +77,24 @@ def compare_snapshots(plain: Snapshot, captured: Snapshot) -> Dict[str, Any]:
     return result
 
 
-@contextlib.contextmanager
-def same_rng(device: "torch.device | str | None" = None) -> Iterator[None]:
-    """Restore the CPU (and ``device``'s) RNG state on exit: the next run draws the same numbers."""
-    cpu = torch.get_rng_state()
+def rng_state(device: "torch.device | str | None" = None) -> Tuple[torch.Tensor, Any]:
+    """The CPU RNG state and ``device``'s (None for the CPU or a device without one)."""
     module = None
     if device is not None and torch.device(device).type not in ("cpu", "meta"):
         module = getattr(torch, torch.device(device).type, None)
-    dev_state = module.get_rng_state() if module is not None and hasattr(module, "get_rng_state") else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if dev_state is not None:
-            module.set_rng_state(dev_state)
+    dev = module.get_rng_state() if module is not None and hasattr(module, "get_rng_state") else None
+    return torch.get_rng_state(), dev
+
+
+def set_rng_state(state: Tuple[torch.Tensor, Any], device: "torch.device | str | None" = None) -> None:
+    """Restore a state taken by :func:`rng_state`."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        getattr(torch, torch.device(device).type).set_rng_state(state[1])
+
+
+@contextlib.contextmanager
+def restored_rng(state: Tuple[torch.Tensor, Any], device: "torch.device | str | None" = None) -> Iterator[None]:
+    """Run the block from the RNG state ``state`` (from :func:`rng_state`)."""
+    set_rng_state(state, device)
+    yield

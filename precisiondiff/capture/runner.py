@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional
 from ..errors import CaptureError, PrecisionDiffError, WorkloadError
 from . import capture
 from .filters import parse_selection
-from .observer import compare_snapshots, same_rng, snapshot
+from .observer import compare_snapshots, restored_rng, rng_state, set_rng_state, snapshot
 from ..runtime.targets import Target, default_dut
 from ..runtime.workload import load_workload, run_workload
 
@@ -51,6 +51,19 @@ def _check(cap, path: "str | os.PathLike") -> None:
     raise CaptureError(f"capture stopped: {reason} (the partial dump is in {path})")
 
 
+def _observe(workload, tgt: Target, plain_model, inputs, result, model, before) -> dict:
+    """Run the step again on the untouched copy, from the RNG state ``before`` the captured one,
+    and compare (the RNG continues afterwards as if only the captured step had run)."""
+    captured = snapshot(result.output, result.loss, model)
+    after = rng_state(tgt.device)
+    with restored_rng(before, tgt.device):
+        plain = run_workload(workload, tgt, model=plain_model, inputs=inputs)
+        tgt.synchronize()
+        reference = snapshot(plain.output, plain.loss, plain_model)
+    set_rng_state(after, tgt.device)  # the next step draws as if the rerun had not happened
+    return compare_snapshots(reference, captured)
+
+
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
                      level: str = "all", mode: str = "stats", format: str = "safetensors",
                      seed: int = 0, steps: Optional[str] = None, train: bool = False, repeat: int = 1,
@@ -78,30 +91,25 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         model = tgt.prepare_model(workload.model)
         model.train(train or workload.train)
         inputs = tgt.prepare_inputs(workload.inputs)
-        # observer effect: step 0 once without capture, from the same weights and RNG state
-        with same_rng(tgt.device):
-            plain_model = copy.deepcopy(model)
-            plain = run_workload(workload, tgt, model=plain_model, inputs=inputs)
-            tgt.synchronize()
-            reference = snapshot(plain.output, plain.loss, plain_model)
-            del plain_model, plain
         observed = None
         meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
                 "backward": workload.loss is not None, "repeat": run}
         with _replacing(path, overwrite) as target_dir:
+            # observer effect: step 0 again without capture, from the same weights (a copy taken
+            # before any hook) and the same RNG state
+            plain_model = copy.deepcopy(model)
             try:
                 with capture(target_dir, model=model, level=level, mode=mode, format=format,
                              steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
                              **filters) as cap:
                     for i in range(n_steps):
+                        before = rng_state(tgt.device)
                         result = run_workload(workload, tgt, model=model, inputs=inputs)
                         tgt.synchronize()
                         if i == 0:
-                            cap.paused = True  # capture's own copies are not the model's ops
-                            try:
-                                observed = compare_snapshots(reference, snapshot(result.output, result.loss, model))
-                            finally:
-                                cap.paused = False
+                            with cap.suspended():
+                                observed = _observe(workload, tgt, plain_model, inputs, result, model, before)
+                            del plain_model
                             cap.update_meta(observer_effect=observed)
                         cap.step()
                         model.zero_grad(set_to_none=True)

@@ -13,11 +13,12 @@ stops recording, becomes a note in ``meta.json`` (``capture_errors``) and a
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from torch import nn
 
@@ -203,6 +204,20 @@ class CaptureSession(ModuleHooks):
         except Exception as err:  # noqa: BLE001
             self.capture_failed(err)
         self._closed = True  # graph hooks still attached to live tensors fire into nothing
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Run a block as if capture were not there: nothing recorded, the op mode removed."""
+        was, self.paused = self.paused, True
+        mode = self._mode
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            if mode is not None:
+                mode.__enter__()
+            self.paused = was
 
     def update_meta(self, **fields: Any) -> None:
         """Fields for the dump's meta.json, written when the session closes (dump sinks only)."""
