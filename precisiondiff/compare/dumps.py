@@ -73,6 +73,8 @@ class _Judge:
                                      f"{budgets!r} (per-op kernel budgets are bisect's: --budget)")
         self._overrides = budgets
         self.run_dtype: Optional[str] = None  # the DUT run's dtype (from its target)
+        self.single_ref = False  # every rank of A against B's single rank: shards are not compared
+        self.shards: set = set()  # keys of the rank being compared whose DTensor is not replicated
 
     def op_class(self, name: str) -> str:
         return str(self._C.op_class(name))
@@ -194,11 +196,15 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
         if not d.complete:
             log.warning("%s (%s) is a partial dump: the capture did not finish", what, d.path)
     ranks_a, ranks_b = sorted(dump_a.ranks), sorted(dump_b.ranks)
-    if ranks_a != ranks_b:
+    # every rank of a job against one single-process reference (data or tensor parallel: what
+    # is replicated compares as is, a shard differs in shape and stays unmatched)
+    single_ref = len(ranks_b) == 1 and len(ranks_a) > 1 and not dump_b.meta.get("world_size", 1) > 1
+    if ranks_a != ranks_b and not single_ref:
         raise AlignmentError(f"the dumps hold different ranks: A {ranks_a}, B {ranks_b}; "
                              "capture both with the same --ranks and world size")
     _check_meta(dump_a.meta, dump_b.meta, dump_n.meta if dump_n else None, noise)
     judge = _Judge(budgets)
+    judge.single_ref = single_ref
     judge.run_dtype = run_dtype(dump_a.meta.get("target"))
     from ..capture.filters import compile_regex
     scope_re, op_re = compile_regex(scope, "--scope"), compile_regex(op, "--op")
@@ -220,7 +226,9 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
     notes: List[str] = []
     per_rank: Dict[int, Dict[str, Any]] = {}
     for rank in ranks_a:
-        ra, rb = dump_a.ranks[rank], dump_b.ranks[rank]
+        ra, rb = dump_a.ranks[rank], dump_b.ranks[ranks_b[0] if single_ref else rank]
+        if single_ref:
+            judge.shards = _not_replicated(ra)
         rn = dump_n.ranks.get(rank) if dump_n else None
         rank_rows = list(_compare_rank(ra, rb, rn, keep, inputs, judge, device, progress, notes))
         rows.extend(rank_rows)
@@ -268,6 +276,18 @@ def _check_meta(ma: Mapping[str, Any], mb: Mapping[str, Any], mn: Optional[Mappi
 
 def _same_target(ma: Mapping[str, Any], mb: Mapping[str, Any]) -> bool:
     return bool(ma.get("target")) and ma.get("target") == mb.get("target")
+
+
+def _not_replicated(dump: Any) -> set:
+    """Keys of records that hold a DTensor shard or partial sum (placements other than ``R``)."""
+    from ..store.reader import iter_index
+    keys = set()
+    for _, obj, _ in iter_index(dump.path, strict=False):
+        for rec in (obj or {}).get("tensors") or ():
+            placements = rec.get("placements")
+            if placements and any(p not in ("R", "Replicate()") for p in placements):
+                keys.add(rec["key"])
+    return keys
 
 
 def _compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge: _Judge,
@@ -343,6 +363,12 @@ def _pair_rows(da: Any, db: Any, dn: Any, ea: Any, eb: Any, en: Any, how: str, i
             continue
         row.key_b, row.dtype_b = rb.key, rb.dtype
         row.bitwise = _bitwise(ra, rb)
+        if judge.single_ref and (ra.key in judge.shards or tuple(ra.shape) != tuple(rb.shape)):
+            row.verdict, row.side, row.mode = "unmatched", "a", "shard"
+            row.message = (f"{ra.key}: a shard or partial sum on rank {ea.rank} (shape {list(ra.shape)}, "
+                           f"{list(rb.shape)} in the single-process reference): not compared")
+            yield row
+            continue
         if tuple(ra.shape) != tuple(rb.shape):
             row.verdict = "fail"
             row.message = f"{ra.key}: shape {list(ra.shape)} in A, {list(rb.shape)} in B"
