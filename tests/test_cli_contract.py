@@ -10,7 +10,7 @@ CONTRACT = {
     "ls": [],
     "verify": [],
     "scan": [],
-    "compare": ["--format", "-o"],
+    "compare": ["--format", "-o", "--jobs"],
     "report": ["-o"],
     "bisect": ["--target", "--ref", "--format", "-o", "--workload"],
     "probe": ["--target", "--ops", "--format", "-o", "--diff"],

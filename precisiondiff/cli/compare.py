@@ -82,15 +82,17 @@ def _stderr_progress(enabled: bool):
 
 
 def _run_compare(a: str, b: str, scope, op, direction, kind, inputs, device, noise, rel_l2, progress,
-                 only_failing: bool = False):
+                 only_failing: bool = False, jobs: int = 1):
     from ..compare.dumps import compare as run
     if rel_l2 is not None and not rel_l2 > 0:
         raise PrecisionDiffError("--rel-l2 must be a positive number")
     update, stop = _stderr_progress(progress)
     try:
+        from ..compare.parallel import under_torchrun
         return run(a, b, scope=scope, op=op, direction=direction, kind=kind, inputs=inputs,
                    device=device, noise=noise, only_failing=only_failing, progress=update,
-                   budgets={"rel_l2": rel_l2} if rel_l2 is not None else None)
+                   budgets={"rel_l2": rel_l2} if rel_l2 is not None else None, jobs=jobs,
+                   across_processes=under_torchrun())
     finally:
         stop()
 
@@ -114,14 +116,19 @@ def _write(text: str, out: Optional[str]) -> None:
 @click.option("-o", "--out", default=None, type=click.Path(dir_okay=False), help="write to FILE")
 @click.option("--only-failing", is_flag=True, help="show only failing rows")
 @click.option("--top", type=int, default=None, help="show only the N rows with the largest error")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="compare the ranks of a multi-rank dump in N processes (under torchrun: one per process)")
 @_filters
 @click.pass_context
-def compare(ctx, a, b, fmt, out, only_failing, top, scope, op, direction, kind, inputs, device,
+def compare(ctx, a, b, fmt, out, only_failing, top, jobs, scope, op, direction, kind, inputs, device,
             noise, rel_l2, progress) -> None:
     """Compare dump A (the device under test) with dump B (the reference)."""
     if top is not None and top < 1:
         raise PrecisionDiffError("--top must be at least 1")
-    c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, rel_l2, progress, only_failing)
+    c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, rel_l2, progress, only_failing,
+                     jobs=jobs)
+    if c is None:  # a torchrun process other than 0: its rows went to process 0's report
+        ctx.exit(0)
     rows = c.rows
     if top is not None:
         worst = {id(r) for r in c.top(top)}

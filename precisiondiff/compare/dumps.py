@@ -160,7 +160,8 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
             direction: Optional[str] = None, kind: Optional[str] = None,
             only_failing: bool = False, inputs: bool = False, budgets: Any = None,
             device: Optional[str] = None, noise: Optional[PathLike] = None,
-            progress: Optional[Progress] = None) -> Comparison:
+            progress: Optional[Progress] = None, jobs: int = 1,
+            across_processes: bool = False) -> Comparison:
     """Align two dumps and compare every matched tensor pair.
 
     Args:
@@ -177,6 +178,10 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
         device: run the element-wise comparisons there (``"cuda"``, ``"mlu"``).
         noise: a second capture of the DUT: rows within its run-to-run error are not divergence.
         progress: called as ``progress(done, total)`` after each event pair.
+        jobs: compare the ranks of a multi-rank dump in this many worker processes (each
+            holds one rank's dumps at a time: memory is bounded by ``jobs`` ranks).
+        across_processes: run under ``torchrun``: each process compares its share of the ranks
+            and process 0 gets the merged comparison; the others get None.
 
     Returns:
         The :class:`Comparison`.
@@ -216,21 +221,29 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
         except TargetError as err:
             raise TargetError(f"--device {device}: {err}".replace("pick another --target", "pick another --device")) from err
 
-    def keep(ev: Any) -> bool:
-        return ((scope_re is None or scope_re.search(ev.scope) is not None)
-                and (op_re is None or op_re.search(ev.name) is not None)
-                and (direction is None or ev.direction == direction)
-                and (kind is None or ev.kind == kind))
-
+    keep = _Keep(scope_re, op_re, direction, kind)
     rows: List[Row] = []
     notes: List[str] = []
     per_rank: Dict[int, Dict[str, Any]] = {}
-    for rank in ranks_a:
-        ra, rb = dump_a.ranks[rank], dump_b.ranks[ranks_b[0] if single_ref else rank]
-        if single_ref:
-            judge.shards = _not_replicated(ra)
-        rn = dump_n.ranks.get(rank) if dump_n else None
-        rank_rows = list(_compare_rank(ra, rb, rn, keep, inputs, judge, device, progress, notes))
+    ref_rank = ranks_b[0] if single_ref else None
+    if across_processes:
+        from .parallel import compare_ranks_across_processes
+        gathered = compare_ranks_across_processes(a, b, noise, ranks_a, ref_rank, scope=scope, op=op,
+                                                  direction=direction, kind=kind, inputs=inputs,
+                                                  budgets=budgets, device=device)
+        if gathered is None:
+            return None  # type: ignore[return-value] - process 0 holds the comparison
+        results = iter(gathered)
+    elif jobs > 1 and len(ranks_a) > 1:
+        from .parallel import compare_ranks_in_pool
+        results = compare_ranks_in_pool(a, b, noise, ranks_a, ref_rank, jobs, scope=scope, op=op,
+                                        direction=direction, kind=kind, inputs=inputs, budgets=budgets,
+                                        device=device)
+    else:
+        results = ((rank, _one_rank(dump_a, dump_b, dump_n, rank, ref_rank, keep, inputs, judge, device,
+                                    progress, notes), []) for rank in ranks_a)
+    for rank, rank_rows, rank_notes in results:
+        notes += [n for n in rank_notes if n not in notes]
         rows.extend(rank_rows)
         if len(ranks_a) > 1:
             per_rank[rank] = _summarize(rank_rows)
@@ -276,6 +289,30 @@ def _check_meta(ma: Mapping[str, Any], mb: Mapping[str, Any], mn: Optional[Mappi
 
 def _same_target(ma: Mapping[str, Any], mb: Mapping[str, Any]) -> bool:
     return bool(ma.get("target")) and ma.get("target") == mb.get("target")
+
+
+class _Keep:
+    """The event filter of --scope/--op/--direction/--kind (picklable, for worker processes)."""
+
+    def __init__(self, scope_re: Any, op_re: Any, direction: Optional[str], kind: Optional[str]) -> None:
+        self.scope_re, self.op_re, self.direction, self.kind = scope_re, op_re, direction, kind
+
+    def __call__(self, ev: Any) -> bool:
+        return ((self.scope_re is None or self.scope_re.search(ev.scope) is not None)
+                and (self.op_re is None or self.op_re.search(ev.name) is not None)
+                and (self.direction is None or ev.direction == self.direction)
+                and (self.kind is None or ev.kind == self.kind))
+
+
+def _one_rank(dump_a: Any, dump_b: Any, dump_n: Any, rank: int, ref_rank: Optional[int], keep: Callable,
+              inputs: bool, judge: "_Judge", device: Optional[str], progress: Optional[Progress],
+              notes: List[str]) -> List[Row]:
+    """The rows of one rank (against B's same rank, or B's single rank ``ref_rank``)."""
+    ra, rb = dump_a.ranks[rank], dump_b.ranks[ref_rank if ref_rank is not None else rank]
+    judge.single_ref = ref_rank is not None
+    judge.shards = _not_replicated(ra) if judge.single_ref else set()
+    rn = dump_n.ranks.get(rank) if dump_n else None
+    return list(_compare_rank(ra, rb, rn, keep, inputs, judge, device, progress, notes))
 
 
 def _not_replicated(dump: Any) -> set:

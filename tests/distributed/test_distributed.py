@@ -217,3 +217,30 @@ def test_tensor_parallel_ranks_against_a_single_process_reference(job, tmp_path)
     # ...shards and partial sums are not (the colwise output, the rowwise addmm before its reduce)
     shards = [r for r in c.rows if r.mode == "shard"]
     assert {(r.scope, r.name) for r in shards} >= {("0", "Linear"), ("2", "aten.addmm.default")}
+
+
+def test_rank_parallel_compare_gives_the_sequential_rows(job, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from precisiondiff.compare import compare
+
+    def rows(c):
+        return [(r.rank, r.key, r.verdict, r.error, r.mode) for r in c.rows]
+
+    sequential = compare(job / "ddp", job / "ddp")
+    pooled = compare(job / "ddp", job / "ddp", jobs=2)
+    assert rows(pooled) == rows(sequential) and pooled.summary == sequential.summary
+    assert sorted(pooled.ranks) == [0, 1]
+    # under torchrun each process compares its share of the ranks; process 0 writes the report
+    out = tmp_path / "c.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "precisiondiff.cli", "compare", str(job / "ddp"),
+           str(job / "ddp"), "--format", "json", "-o", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 0 and r.stderr.count("wrote") == 1, r.stderr[-2000:]
+    merged = json.loads(out.read_text())
+    assert merged["summary"] == sequential.summary and sorted(merged["ranks"]) == ["0", "1"]
+    assert [(row["rank"], row["key"]) for row in merged["rows"]] == [(r.rank, r.key) for r in sequential.rows]
