@@ -118,9 +118,14 @@ class OpCaptureMode(TorchDispatchMode):
         rec = self.session.recorder
         group = collective(name, args, kwargs)
         if group is not None:
-            # an async collective's output is read once its work is done (docs/distributed.md)
-            wait_collective(name, out)
             event.extra = {"collective": group}
+            # an async collective's output is read once its work is done (docs/distributed.md)
+            try:
+                wait_collective(name, out)
+            except Exception as err:  # noqa: BLE001 - the job's failure (a peer died), not capture's:
+                group["failed"] = str(err).splitlines()[0] if str(err) else type(err).__name__
+                rec.finish(event)  # its inputs only; the workload's own wait raises the error
+                return
         # An in-place op returns its mutated input; its version counter is bumped only after this
         # mode returns, so de-duplication would take it for the unmodified tensor. c10d ops write
         # their tensors without declaring it in their schema.

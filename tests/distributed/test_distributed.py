@@ -194,7 +194,9 @@ def test_a_rank_that_dies_leaves_every_dump_usable(tmp_path):
     for rank in (0, 1):
         v = pd_cli("verify", str(out / f"rank{rank}"))
         assert v.returncode == 0 and "partial" in v.stdout, v.stdout + v.stderr
-        assert {e.step for e in store.load(out / f"rank{rank}").events()} >= {0}
+    # the rank that died had finished step 0 (flushed at its end); the survivor may be stopped by
+    # torchrun before its own step 0 is on disk, and its dump is then partial and empty
+    assert {e.step for e in store.load(out / "rank1").events()} == {0}
     assert check_replicas(out).ok  # what both ranks finished (step 0) still agrees
     c = pd_cli("compare", str(out), str(out))
     assert c.returncode == 0, c.stdout + c.stderr
