@@ -228,17 +228,17 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
     ref_rank = ranks_b[0] if single_ref else None
     if across_processes:
         from .parallel import compare_ranks_across_processes
-        gathered = compare_ranks_across_processes(a, b, noise, ranks_a, ref_rank, scope=scope, op=op,
-                                                  direction=direction, kind=kind, inputs=inputs,
+        gathered = compare_ranks_across_processes(_rank_worker, a, b, noise, ranks_a, ref_rank, scope=scope,
+                                                  op=op, direction=direction, kind=kind, inputs=inputs,
                                                   budgets=budgets, device=device)
         if gathered is None:
             return None  # type: ignore[return-value] - process 0 holds the comparison
         results = iter(gathered)
     elif jobs > 1 and len(ranks_a) > 1:
         from .parallel import compare_ranks_in_pool
-        results = compare_ranks_in_pool(a, b, noise, ranks_a, ref_rank, jobs, scope=scope, op=op,
-                                        direction=direction, kind=kind, inputs=inputs, budgets=budgets,
-                                        device=device)
+        results = compare_ranks_in_pool(_rank_worker, a, b, noise, ranks_a, ref_rank, jobs, scope=scope,
+                                        op=op, direction=direction, kind=kind, inputs=inputs,
+                                        budgets=budgets, device=device)
     else:
         results = ((rank, _one_rank(dump_a, dump_b, dump_n, rank, ref_rank, keep, inputs, judge, device,
                                     progress, notes), []) for rank in ranks_a)
@@ -302,6 +302,23 @@ class _Keep:
                 and (self.op_re is None or self.op_re.search(ev.name) is not None)
                 and (self.direction is None or ev.direction == self.direction)
                 and (self.kind is None or ev.kind == self.kind))
+
+
+def _rank_worker(a: str, b: str, noise: Optional[str], rank: int, ref_rank: Optional[int],
+                 options: dict) -> Tuple[int, list, List[str]]:
+    """Compare one rank in a worker process (rank-parallel compare, :mod:`.parallel`)."""
+    from ..capture.filters import compile_regex
+    from ..store import load
+    dump_a, dump_b = load(a), load(b)
+    dump_n = load(noise) if noise is not None else None
+    judge = _Judge(options["budgets"])
+    judge.run_dtype = run_dtype(dump_a.meta.get("target"))
+    keep = _Keep(compile_regex(options["scope"], "--scope"), compile_regex(options["op"], "--op"),
+                 options["direction"], options["kind"])
+    notes: List[str] = []
+    rows = _one_rank(dump_a, dump_b, dump_n, rank, ref_rank, keep, options["inputs"], judge,
+                     options["device"], None, notes)
+    return rank, rows, notes
 
 
 def _one_rank(dump_a: Any, dump_b: Any, dump_n: Any, rank: int, ref_rank: Optional[int], keep: Callable,

@@ -11,35 +11,18 @@ from __future__ import annotations
 
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 __all__ = ["compare_ranks_in_pool", "compare_ranks_across_processes", "under_torchrun"]
 
 
-def _worker(a: str, b: str, noise: Optional[str], rank: int, ref_rank: Optional[int],
-            options: dict) -> Tuple[int, list, List[str]]:
-    from ..capture.filters import compile_regex
-    from ..store import load
-    from .dumps import _Judge, _Keep, _one_rank
-    from .stats import run_dtype
-    dump_a, dump_b = load(a), load(b)
-    dump_n = load(noise) if noise is not None else None
-    judge = _Judge(options["budgets"])
-    judge.run_dtype = run_dtype(dump_a.meta.get("target"))
-    keep = _Keep(compile_regex(options["scope"], "--scope"), compile_regex(options["op"], "--op"),
-                 options["direction"], options["kind"])
-    notes: List[str] = []
-    rows = _one_rank(dump_a, dump_b, dump_n, rank, ref_rank, keep, options["inputs"], judge,
-                     options["device"], None, notes)
-    return rank, rows, notes
-
-
-def compare_ranks_in_pool(a: Any, b: Any, noise: Any, ranks: List[int], ref_rank: Optional[int], jobs: int,
-                          **options: Any) -> Iterator[Tuple[int, list, List[str]]]:
-    """Yield ``(rank, rows, notes)`` for each rank, in rank order, computed by ``jobs`` processes."""
+def compare_ranks_in_pool(worker: Callable, a: Any, b: Any, noise: Any, ranks: List[int], ref_rank: Optional[int],
+                          jobs: int, **options: Any) -> Iterator[Tuple[int, list, List[str]]]:
+    """Yield ``(rank, rows, notes)`` for each rank, in rank order, computed by ``jobs`` processes
+    running ``worker(a, b, noise, rank, ref_rank, options)`` (a module-level function)."""
     context = multiprocessing.get_context("spawn")  # no fork of a process with threads
     with ProcessPoolExecutor(max_workers=min(jobs, len(ranks)), mp_context=context) as pool:
-        futures = [pool.submit(_worker, str(a), str(b), str(noise) if noise is not None else None, rank,
+        futures = [pool.submit(worker, str(a), str(b), str(noise) if noise is not None else None, rank,
                                ref_rank, options) for rank in ranks]
         for future in futures:
             yield future.result()
@@ -51,8 +34,9 @@ def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def compare_ranks_across_processes(a: Any, b: Any, noise: Any, ranks: List[int], ref_rank: Optional[int],
-                                   **options: Any) -> Optional[List[Tuple[int, list, List[str]]]]:
+def compare_ranks_across_processes(worker: Callable, a: Any, b: Any, noise: Any, ranks: List[int],
+                                   ref_rank: Optional[int], **options: Any
+                                   ) -> Optional[List[Tuple[int, list, List[str]]]]:
     """Compare ranks ``i, i+W, i+2W...`` here (process ``i`` of ``W``, gloo from torchrun's
     environment) and gather every process's rows on process 0.
 
@@ -65,7 +49,7 @@ def compare_ranks_across_processes(a: Any, b: Any, noise: Any, ranks: List[int],
         dist.init_process_group("gloo")
     try:
         me, world = dist.get_rank(), dist.get_world_size()
-        mine = [_worker(str(a), str(b), str(noise) if noise is not None else None, rank, ref_rank, options)
+        mine = [worker(str(a), str(b), str(noise) if noise is not None else None, rank, ref_rank, options)
                 for i, rank in enumerate(ranks) if i % world == me]
         gathered: Optional[list] = [None] * world if me == 0 else None
         dist.gather_object(mine, gathered, dst=0)
