@@ -16,8 +16,15 @@ __all__ = ["ranks"]
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def ranks(dump, replicated, as_json) -> None:
     """Check a multi-rank dump's replicas (collective outputs, replicated DTensors, DDP gradients)
-    bit for bit across ranks; exit 1 when two replicas differ."""
+    bit for bit across ranks, and recompute each all-reduce from its ranks' inputs (tensors
+    mode); exit 1 when two replicas differ or a collective's output is no reduction of its inputs."""
+    from ..compare.collectives import check_collectives
     from ..compare.ranks import check_replicas
     report = check_replicas(dump, replicated=replicated)
-    click.echo(json.dumps(report.to_dict(), indent=1) if as_json else report.summary())
-    sys.exit(0 if report.ok else 1)
+    collectives = check_collectives(dump)
+    if as_json:
+        click.echo(json.dumps({**report.to_dict(), "collectives": collectives.to_dict()}, indent=1))
+    else:
+        click.echo(report.summary())
+        click.echo(collectives.summary())
+    sys.exit(0 if report.ok and collectives.ok else 1)

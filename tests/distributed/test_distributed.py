@@ -246,3 +246,37 @@ def test_rank_parallel_compare_gives_the_sequential_rows(job, tmp_path):
     merged = json.loads(out.read_text())
     assert merged["summary"] == sequential.summary and sorted(merged["ranks"]) == ["0", "1"]
     assert [(row["rank"], row["key"]) for row in merged["rows"]] == [(r.rank, r.key) for r in sequential.rows]
+
+
+def test_a_collective_that_accumulates_in_bf16_is_named(job, tmp_path):
+    """Plant the output a bf16-accumulating all-reduce gives, identically on every rank: the
+    replicas agree, the recomputation from the ranks' inputs names the collective."""
+    from safetensors.torch import load_file, save_file
+
+    from precisiondiff.compare.collectives import check_collectives
+
+    assert check_collectives(job / "coll").checked == 3 and check_collectives(job / "coll").ok
+    dump = tmp_path / "coll"
+    shutil.copytree(job / "coll", dump)
+    key = None
+    inputs = []
+    for rank in (0, 1):
+        ev = _op(_events(dump / f"rank{rank}"), "_c10d_functional.all_reduce.default")
+        key = _slot(ev, "output.0")["key"]
+        inputs.append(store.load(dump / f"rank{rank}").tensor(_slot(ev, "input.0")["key"]))
+    planted = (inputs[0].bfloat16() + inputs[1].bfloat16()).float()  # bf16 accumulation
+    assert not torch.equal(planted, inputs[0] + inputs[1])
+    for rank in (0, 1):
+        events = _events(dump / f"rank{rank}")
+        rec = _slot(_op(events, "_c10d_functional.all_reduce.default"), "output.0")
+        shard = dump / f"rank{rank}" / rec["shard"]
+        tensors = load_file(shard)
+        tensors[rec["data_key"]] = planted
+        save_file(tensors, shard)
+        rec["stats"]["fingerprint"] = store.fingerprint(planted)
+        (dump / f"rank{rank}" / "index.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert check_replicas(dump).ok  # every rank got the same (wrong) output
+    report = check_collectives(dump)
+    assert [w.key for w in report.wrong] == [key] and report.wrong[0].ranks == [0, 1]
+    r = pd_cli("ranks", str(dump))
+    assert r.returncode == 1 and "WRONG COLLECTIVE" in r.stdout, r.stdout + r.stderr
