@@ -58,10 +58,10 @@ def _observe(workload, tgt: Target, plain_model, inputs, result, model, before) 
     after = rng_state(tgt.device)
     with restored_rng(before, tgt.device):
         plain = run_workload(workload, tgt, model=plain_model, inputs=inputs)
-        tgt.synchronize()
         reference = snapshot(plain.output, plain.loss, plain_model)
+        observed = compare_snapshots(reference, captured)
     set_rng_state(after, tgt.device)  # the next step draws as if the rerun had not happened
-    return compare_snapshots(reference, captured)
+    return observed
 
 
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
