@@ -53,14 +53,15 @@ def _median_pair(plain_fn, captured_fn, repeats: int):
     return statistics.median(plain), statistics.median(captured)
 
 
-def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool) -> None:
+def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool, memory: bool = False) -> None:
     model = TinyOps(ops)
     x = torch.randn(64)
     events = [0]
 
     def captured(rep):
+        sink = cap_mod.MemorySink() if memory else None
         with cap_mod.capture(os.path.join(tmp, f"ops{rep}"), model=model, level="op", mode="stats",
-                             overwrite=True) as cap:
+                             overwrite=True, sink=sink) as cap:
             with torch.no_grad():
                 model(x)
         events[0] = cap.recorder.events_written
@@ -80,7 +81,8 @@ def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     p, c = _median_pair(plain, captured, repeats)
     per = (c - p) / max(events[0], 1) * 1e6
-    print(f"tiny ops: {ops} ops x 64 elements, {events[0]} events: plain {p * 1e3:.2f} ms, "
+    where = "into memory" if memory else "into a dump"
+    print(f"tiny ops ({where}): {ops} ops x 64 elements, {events[0]} events: plain {p * 1e3:.2f} ms, "
           f"op/stats capture {c * 1e3:.2f} ms, {per:.1f} us per recorded op event (goal <= 10)")
 
 
@@ -117,6 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "ops"):
             tiny_ops(args.ops, args.repeats, tmp, args.profile)
+            tiny_ops(args.ops, args.repeats, tmp, False, memory=True)
         if args.only in (None, "blocks"):
             twelve_blocks(args.repeats, tmp)
 

@@ -50,10 +50,37 @@ def _overwritten(name: str, args: tuple, kwargs: dict) -> set:
     return ids
 
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+_set_grad_enabled = torch._C._set_grad_enabled
+_Tensor = torch.Tensor
+
+
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread."""
-    getter = getattr(torch._C, "_current_graph_task_id", None)
-    return getter is not None and getter() != -1
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+class _OpInfo:
+    """What the mode needs to know about an op, worked out once per op overload."""
+
+    __slots__ = ("name", "mutable", "overwrites_self")
+
+    def __init__(self, name: str, mutable: bool, overwrites_self: bool) -> None:
+        self.name, self.mutable, self.overwrites_self = name, mutable, overwrites_self
+
+
+_SKIPPED = _OpInfo("", False, False)
+
+
+def _flat_inputs(args: tuple, kwargs: dict) -> list:
+    # most ops take tensors and scalars only: no nested walk
+    for a in args:
+        if type(a) in (list, tuple, dict):
+            return flatten_tensors((args, kwargs))
+    inputs = [a for a in args if isinstance(a, _Tensor)]
+    if kwargs:
+        inputs.extend(flatten_tensors(kwargs))
+    return inputs
 
 
 class OpCaptureMode(TorchDispatchMode):
@@ -62,50 +89,76 @@ class OpCaptureMode(TorchDispatchMode):
     def __init__(self, session: "CaptureSession") -> None:
         super().__init__()
         self.session = session
-        self._names: Dict[Any, str] = {}
+        self._info: Dict[Any, _OpInfo] = {}
+        self._scopes: Dict[str, bool] = {}
+        self._recording = (None, False)  # (recorder step, session.recording) cached per step
 
-    def _name(self, func: Any) -> str:
-        name = self._names.get(func)
-        if name is None:
-            name = str(func)
-            if name in _ALWAYS_SKIP or (not self.session.filter.views and getattr(func, "is_view", False)):
-                name = ""
-            elif not self.session.filter.want_op(name):
-                name = ""
-            self._names[func] = name
-        return name
+    def _describe(self, func: Any) -> _OpInfo:
+        name = str(func)
+        if name in _ALWAYS_SKIP or (not self.session.filter.views and getattr(func, "is_view", False)) \
+                or not self.session.filter.want_op(name):
+            info = _SKIPPED
+        else:
+            info = _OpInfo(name, bool(func._schema.is_mutable), name in _OVERWRITES_SELF)
+        self._info[func] = info
+        return info
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kwargs = kwargs or {}
+        info = self._info.get(func)
+        if info is None:
+            info = self._describe(func)
         session = self.session
-        if session.paused or not session.recording:
-            return func(*args, **kwargs)
-        name = self._name(func)
-        backward = in_backward()
-        scope = session.current_scope(backward)
-        if not name or not session.filter.want_scope(scope):
-            return func(*args, **kwargs)
+        if not info.name or session.paused:
+            return func(*args, **(kwargs or {}))
         rec = session.recorder
-        direction = "backward" if backward else "forward"
-        event = rec.begin("op", scope, name, direction)
-        inputs = flatten_tensors((args, kwargs))
-        skip = _overwritten(name, args, kwargs)
-        with torch.no_grad():
+        step, recording = self._recording
+        if step != rec.step:
+            recording = session.recording
+            self._recording = (rec.step, recording)
+        if not recording:
+            return func(*args, **(kwargs or {}))
+        backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+        scope = session.current_scope(backward)
+        wanted = self._scopes.get(scope)
+        if wanted is None:
+            wanted = self._scopes[scope] = session.filter.want_scope(scope)
+        if not wanted:
+            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        event = rec.begin("op", scope, info.name, "backward" if backward else "forward")
+        inputs = _flat_inputs(args, kwargs)
+        # what the op writes without reading (in-place fills, out= destinations) is not an input
+        skip = _overwritten(info.name, args, kwargs) if info.overwrites_self or "out" in kwargs else ()
+        grad = torch.is_grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
+        try:
+            slots = event.slots
             for i, t in enumerate(inputs):
-                if id(t) not in event.slots and id(t) not in skip:
+                if id(t) not in slots and id(t) not in skip:
                     rec.add(event, f"input.{i}", t)
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         out = func(*args, **kwargs)
-        # An in-place op returns its mutated input; its version counter is bumped only after this
-        # mode returns, so de-duplication would take it for the unmodified tensor.
-        mutated = func._schema.is_mutable
-        with torch.no_grad():
-            for i, t in enumerate(flatten_tensors(out)):
-                rec.add(event, f"output.{i}", t, fresh=mutated)
-        encoded = None
-        if rec.mode == "replay":
-            encoded = {"args": encode_args(list(args), lambda t: rec.slot_of(event, t)),
-                       "kwargs": encode_args(dict(kwargs), lambda t: rec.slot_of(event, t))}
-            encoded["replayable"] = is_replayable(encoded)
+        if grad:
+            _set_grad_enabled(False)
+        try:
+            # An in-place op returns its mutated input; its version counter is bumped only after
+            # this mode returns, so de-duplication would take it for the unmodified tensor.
+            if isinstance(out, _Tensor):
+                rec.add(event, "output.0", out, fresh=info.mutable)
+            else:
+                for i, t in enumerate(flatten_tensors(out)):
+                    rec.add(event, f"output.{i}", t, fresh=info.mutable)
+            encoded = None
+            if rec.mode == "replay":
+                encoded = {"args": encode_args(list(args), lambda t: rec.slot_of(event, t)),
+                           "kwargs": encode_args(dict(kwargs), lambda t: rec.slot_of(event, t))}
+                encoded["replayable"] = is_replayable(encoded)
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         if event.device is not None and event.device != "cpu":
             event.device = ran_on(func, event.device)  # "cpu": the backend's CPU fallback ran it
         rec.finish(event, args=encoded)

@@ -7,7 +7,6 @@ held until their statistics are read back in one batch, then emitted in executio
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -54,20 +53,42 @@ class MemorySink:
         return self.data[record["data_key"]]
 
 
-@dataclass
 class PendingEvent:
-    """An event being recorded; finished by :meth:`Recorder.finish`."""
+    """An event being recorded; finished by :meth:`Recorder.finish`.
 
-    kind: str
-    scope: str
-    name: str
-    direction: str
-    call: int
-    step: int
-    tensors: List[Tuple[dict, int]] = field(default_factory=list)
-    slots: Dict[int, str] = field(default_factory=dict)
-    device: Optional[str] = None
-    output_seen: bool = False
+    ``tensors`` holds one ``(slot, dtype name, shape, data_key, stats handle)`` per recorded
+    tensor; the index records (and their keys) are built when the event is emitted."""
+
+    __slots__ = ("kind", "scope", "name", "direction", "call", "step", "tensors", "slots", "device",
+                 "output_seen", "seq", "args")
+
+    def __init__(self, kind: str, scope: str, name: str, direction: str, call: int, step: int) -> None:
+        self.kind, self.scope, self.name, self.direction, self.call, self.step = \
+            kind, scope, name, direction, call, step
+        self.tensors: List[tuple] = []
+        self.slots: Dict[int, str] = {}
+        self.device: Optional[str] = None
+        self.output_seen = False
+        self.seq = 0
+        self.args: Any = None
+
+
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+_DEVICE_NAMES: Dict[torch.device, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -84,17 +105,6 @@ def _identity(t: torch.Tensor) -> tuple:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _content_identity(t: torch.Tensor) -> Optional[tuple]:
-    """Same memory, same element order: (device, address, numel, dtype, version) of a contiguous
-    tensor; None for others."""
-    if not t.is_contiguous():
-        return None
-    try:
-        return (t.device, t.data_ptr(), t.numel(), t.dtype, t._version)
-    except RuntimeError:
-        return None
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -164,29 +174,29 @@ class Recorder:
 
         ``fresh`` skips de-duplication: the tensor's contents changed without a new identity.
         """
-        # Keys carry the step when the dump holds several: always for an explicit multi-step
-        # selection; with no selection, from the second step on (a one-step capture stays plain).
-        step = self.step if (self.multi_step is True or (self.multi_step is None and self.step > 0)) else None
-        key = make_key(event.scope, event.name, event.call, event.direction, slot, step)
+        # The hot path of capture (every tensor of every op): no key strings here (built when
+        # the event is emitted, and only in tensors/replay mode when the data is stored now).
         ident = _identity(t)
         seen = None if fresh else self._seen.get(ident)
+        stores = store and self.mode != "stats"
         if seen is not None:
             self._seen.move_to_end(ident)
             _, data_key, handle = seen
-            if data_key is None and store and self.stores_data:
-                data_key = key
-                self._data[key] = _host_copy(t)
+            if data_key is None and stores:
+                data_key = self._key(event, slot)
+                self._data[data_key] = _host_copy(t)
                 self._seen[ident] = (t, data_key, handle)
         else:
             data_key = None
             copy = None
-            if store and self.stores_data:
-                data_key = key
-                copy = self._data[key] = _host_copy(t)
+            if stores:
+                data_key = self._key(event, slot)
+                copy = self._data[data_key] = _host_copy(t)
             # A reshaped view of a recorded contiguous tensor (view, unsqueeze, _unsafe_view: ops
             # that are not recorded) holds the same elements in the same order: same statistics
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
-            content = _content_identity(t) if not fresh else None
+            content = (ident[0], ident[1], t.numel(), ident[4], ident[5]) \
+                if not fresh and t.is_contiguous() else None
             same = self._same_content.get(content) if content is not None else None
             if same is not None:
                 handle = same[1]
@@ -198,15 +208,22 @@ class Recorder:
                     self._kept_bytes += _nbytes(t)
             self._seen[ident] = (t, data_key, handle)
             self._kept_bytes += _nbytes(t)
-            self._evict()
-        record = {"key": key, "slot": slot, "dtype": str(t.dtype).removeprefix("torch."),
-                  "shape": list(t.shape), "stats": None, "data_key": data_key}
-        event.tensors.append((record, handle))
-        event.slots.setdefault(id(t), slot)  # an in-place op returns its input: args name the input
-        if slot.startswith("output") and not event.output_seen:
-            event.device, event.output_seen = str(t.device), True
+            if len(self._seen) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
+                self._evict()
+        event.tensors.append((slot, ident[4], ident[2], data_key, handle))
+        slots = event.slots
+        if id(t) not in slots:
+            slots[id(t)] = slot  # an in-place op returns its input: args name the input
+        if not event.output_seen and slot.startswith("output"):
+            event.device, event.output_seen = _device_name(ident[0]), True
         elif event.device is None:
-            event.device = str(t.device)
+            event.device = _device_name(ident[0])
+
+    def _key(self, event: PendingEvent, slot: str) -> str:
+        # Keys carry the step when the dump holds several: always for an explicit multi-step
+        # selection; with no selection, from the second step on (a one-step capture stays plain).
+        step = event.step if (self.multi_step is True or (self.multi_step is None and event.step > 0)) else None
+        return make_key(event.scope, event.name, event.call, event.direction, slot, step)
 
     def _evict(self) -> None:
         """Forget the oldest tensors beyond the window's count or bytes (they may be freed)."""
@@ -223,9 +240,9 @@ class Recorder:
         """Close an event; it is emitted at the next batch read-back."""
         if not event.tensors:
             return
-        event.seq = self.seq  # type: ignore[attr-defined]
+        event.seq = self.seq
         self.seq += 1
-        event.args = args  # type: ignore[attr-defined]
+        event.args = args
         self._pending.append(event)
         if len(self._pending) >= self.batch_events or self._stats.pending_elements > self.batch_elements:
             self.flush()
@@ -236,18 +253,22 @@ class Recorder:
             return
         self._stats.resolve()
         pending, self._pending = self._pending, []
+        get = self._stats.get
+        write = self.sink.write_event
+        rank = self.rank
         for ev in pending:
             tensors, data = [], {}
-            for record, handle in ev.tensors:
-                record["stats"] = self._stats.get(handle)
-                tensors.append(record)
-                copy = self._data.pop(record["data_key"], None) if record["data_key"] else None
-                if copy is not None:
-                    data[record["data_key"]] = copy
-            out = {"seq": ev.seq, "step": ev.step, "rank": self.rank, "kind": ev.kind,
+            for slot, dtype, shape, data_key, handle in ev.tensors:
+                key = self._key(ev, slot)
+                tensors.append({"key": key, "slot": slot, "dtype": _dtype_name(dtype), "shape": list(shape),
+                                "stats": get(handle), "data_key": data_key})
+                if data_key is not None:
+                    copy = self._data.pop(data_key, None)
+                    if copy is not None:
+                        data[data_key] = copy
+            write({"seq": ev.seq, "step": ev.step, "rank": rank, "kind": ev.kind,
                    "scope": ev.scope, "name": ev.name, "direction": ev.direction, "call": ev.call,
-                   "device": ev.device, "tensors": tensors, "args": ev.args}
-            self.sink.write_event(out, data)
+                   "device": ev.device, "tensors": tensors, "args": ev.args}, data)
             self.events_written += 1
 
     def end_step(self) -> None:

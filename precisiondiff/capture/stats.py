@@ -112,10 +112,10 @@ class StatsBatch:
     def __init__(self, *, small_elements: int = SMALL_TENSOR_ELEMENTS, fast: bool = True) -> None:
         self.small_elements = small_elements
         self.fast = fast and stats_kernel.AVAILABLE
-        # fused-kernel rows: handle -> (row, dtype, numel), filled in place by the kernel
-        self._fused: Dict[int, Tuple[int, torch.dtype, int]] = {}
+        # fused-kernel rows: handle -> (row, numel), filled in place by the kernel
+        self._fused: Dict[int, Tuple[int, int]] = {}
         self._out = np.empty((64, 7))
-        self._fps = np.empty((64, 4), dtype=np.int64)
+        self._fps = np.empty((64, 2), dtype=np.int64)
         self._large: Dict[torch.device, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._small: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
         self._results: Dict[int, dict] = {}
@@ -145,7 +145,7 @@ class StatsBatch:
             except RuntimeError:  # no NumPy view of this tensor (conjugate/negative bit)
                 pass
             else:
-                self._fused[handle] = (row, t.dtype, numel)
+                self._fused[handle] = (row, numel)
                 return handle
         with torch.no_grad():
             if numel <= min(self.small_elements, SMALL_TENSOR_ELEMENTS) and not t.is_complex() and t.element_size() in _BITS:
@@ -194,12 +194,10 @@ class StatsBatch:
         rows = len(self._fused)
         out = self._out[:rows].tolist()
         fps = self._fps[:rows].tolist()
-        for handle, (row, dtype, numel) in self._fused.items():
-            total, absolute, squares, nan, inf = out[row][2:]
+        for handle, (row, numel) in self._fused.items():
+            lo, hi, total, absolute, squares, nan, inf = out[row]
             if nan:
                 lo = hi = math.nan
-            else:
-                lo, hi = stats_kernel.extremes(fps[row][2:], dtype)
             self._results[handle] = {
                 "min": lo, "max": hi, "mean": total / numel, "abs_mean": absolute / numel,
                 "norm": math.sqrt(squares), "nan": int(nan), "inf": int(inf),

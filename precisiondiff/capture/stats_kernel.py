@@ -22,7 +22,7 @@ import torch
 
 from ..store.fingerprint import PERIOD, _C1, salts
 
-__all__ = ["AVAILABLE", "fused_stats", "stats_into", "extremes", "supports"]
+__all__ = ["AVAILABLE", "fused_stats", "stats_into", "supports"]
 
 try:  # pragma: no cover - depends on the environment
     if os.environ.get("PRECISIONDIFF_NO_NUMBA"):
@@ -80,17 +80,26 @@ if AVAILABLE:
         acc[3] += a2
 
     @_jit
-    def _finish(acc, sign, width, out, fps, row):  # pragma: no cover - compiled
-        """Decode the ordered keys of the extremes back to bits (the map is an involution)."""
+    def _finish(acc, sign, width, lut, out, fps, row):  # pragma: no cover - compiled
+        """Decode the ordered keys of the extremes (the map is an involution) to their values."""
+        wide = np.empty(1, dtype=np.int64)
+        narrow = np.empty(1, dtype=np.int32)
         for i in range(2):
             key = acc[i]
             b = key ^ ((key >> 63) & sign)
-            fps[row, 2 + i] = b & ((np.int64(1) << width) - 1) if width < 64 else b
+            if width == 64:
+                wide[0] = b
+                out[row, i] = wide.view(np.float64)[0]
+            elif width == 32:
+                narrow[0] = np.int32(b)
+                out[row, i] = np.float64(narrow.view(np.float32)[0])
+            else:
+                out[row, i] = np.float64(lut[b & 0xFFFF])
         fps[row, 0] = acc[2]
         fps[row, 1] = acc[3]
 
     @_jit
-    def _stats_wide(values, bits, sign, width, table, out, fps, row):  # pragma: no cover - compiled
+    def _stats_wide(values, bits, sign, width, table, lut, out, fps, row):  # pragma: no cover - compiled
         """float32/float64: ``values`` and ``bits`` view the same memory."""
         n = values.shape[0]
         acc = np.empty(4, dtype=np.int64)
@@ -105,15 +114,15 @@ if AVAILABLE:
             r = start & 65535
             off = np.int64(start >> 16) * np.int64(_C1) + np.int64(1)
             _int_pass(bits[start:stop], sign, table[r:r + stop - start], off, acc)
-        _finish(acc, sign, width, out, fps, row)
+        _finish(acc, sign, width, lut, out, fps, row)
 
     @_jit
     def _stats_f32(values, table, out, fps, row):  # pragma: no cover - compiled
-        _stats_wide(values, values.view(np.int32), 0x7FFFFFFF, 32, table, out, fps, row)
+        _stats_wide(values, values.view(np.int32), 0x7FFFFFFF, 32, table, table, out, fps, row)
 
     @_jit
     def _stats_f64(values, table, out, fps, row):  # pragma: no cover - compiled
-        _stats_wide(values, values.view(np.int64), 0x7FFFFFFFFFFFFFFF, 64, table, out, fps, row)
+        _stats_wide(values, values.view(np.int64), 0x7FFFFFFFFFFFFFFF, 64, table, table, out, fps, row)
 
     @_jit
     def _stats_16(bits, lut, table, out, fps, row):  # pragma: no cover - compiled
@@ -136,10 +145,11 @@ if AVAILABLE:
             r = start & 65535
             off = np.int64(start >> 16) * np.int64(_C1) + np.int64(1)
             _int_pass(bits[start:stop], 0x7FFF, table[r:r + m], off, acc)
-        _finish(acc, 0x7FFF, 16, out, fps, row)
+        _finish(acc, 0x7FFF, 16, lut, out, fps, row)
 
 _LUTS: dict = {}
-_TABLE: Optional[np.ndarray] = None
+_TABLE = salts("cpu").numpy()  # 1 ms (store.fingerprint builds it with NumPy)
+assert _TABLE.shape[0] == PERIOD
 _BITS_NP = {torch.float32: np.int32, torch.float64: np.int64}
 
 
@@ -151,14 +161,6 @@ _INT_VIEW = {torch.float32: torch.float32, torch.float64: torch.float64, torch.b
 def supports(t: torch.Tensor) -> bool:
     """Whether :func:`stats_into` handles ``t`` (a CPU float16/bfloat16/float32/float64 tensor)."""
     return AVAILABLE and t.dtype in _KINDS and t.device.type == "cpu"
-
-
-def _table() -> np.ndarray:
-    global _TABLE
-    if _TABLE is None:
-        _TABLE = salts("cpu").numpy()
-        assert _TABLE.shape[0] == PERIOD
-    return _TABLE
 
 
 def _lut(dtype: torch.dtype) -> np.ndarray:
@@ -173,38 +175,29 @@ def _lut(dtype: torch.dtype) -> np.ndarray:
 def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> None:
     """Statistics and fingerprint of a CPU floating tensor in one pass over its memory.
 
-    Writes ``out[row] = [0, 0, sum, sum|x|, sum x^2, nan, inf]`` (float64) and
-    ``fps[row] = [h1, h2, bits of min, bits of max]`` (int64; the extremes' bit patterns in
-    the tensor's dtype, zero-extended, NaN ignored: the caller applies NaN propagation).
+    Writes ``out[row] = [min, max, sum, sum|x|, sum x^2, nan, inf]`` (float64; min and max
+    ignore NaN: the caller applies NaN propagation) and ``fps[row, :2] = [h1, h2]`` (int64).
 
     Args:
         t: a tensor with :func:`supports` true and at least one element, any shape and strides
             (a non-contiguous tensor is copied once, in row-major order).
         out: float64 array of shape ``(rows, 7)``.
-        fps: int64 array of shape ``(rows, 4)``.
+        fps: int64 array of shape ``(rows, 2)`` or more columns.
         row: the row to write.
 
     Raises:
         RuntimeError: PyTorch cannot expose the tensor's memory to NumPy (conjugate or
             negative views): use the eager path.
     """
-    x = t.detach() if t.requires_grad else t
-    arr = x.view(_INT_VIEW[x.dtype]).numpy().ravel() if x.dtype.itemsize == 2 else x.numpy().ravel()
-    kind = _KINDS[t.dtype]
-    if kind == 0:
-        _stats_f32(arr, _table(), out, fps, row)
-    elif kind == 1:
-        _stats_f64(arr, _table(), out, fps, row)
+    if t.requires_grad:
+        t = t.detach()
+    dtype = t.dtype
+    if dtype is torch.float32:
+        _stats_f32(t.numpy().ravel(), _TABLE, out, fps, row)
+    elif dtype is torch.float64:
+        _stats_f64(t.numpy().ravel(), _TABLE, out, fps, row)
     else:
-        _stats_16(arr, _lut(t.dtype), _table(), out, fps, row)
-
-
-def extremes(bits: "list[int]", dtype: torch.dtype) -> "list[float]":
-    """The float values of the extremes' bit patterns written by :func:`stats_into`."""
-    if dtype.itemsize == 2:
-        return [float(_lut(dtype)[b & 0xFFFF]) for b in bits]
-    np_dtype = (np.uint32, np.float32) if dtype == torch.float32 else (np.uint64, np.float64)
-    return np.array([b & ((1 << 64) - 1) for b in bits], dtype=np.uint64).astype(np_dtype[0]).view(np_dtype[1]).tolist()
+        _stats_16(t.view(torch.int16).numpy().ravel(), _lut(dtype), _TABLE, out, fps, row)
 
 
 def fused_stats(t: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
@@ -217,7 +210,6 @@ def fused_stats(t: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
         [-2.0, 1.0, -1.0]
     """
     out = np.zeros((1, 7))
-    fps = np.zeros((1, 4), dtype=np.int64)
+    fps = np.zeros((1, 2), dtype=np.int64)
     stats_into(t, out, fps, 0)
-    out[0, :2] = extremes(fps[0, 2:].tolist(), t.dtype)
-    return out[0], fps[0, :2].copy()
+    return out[0], fps[0]
