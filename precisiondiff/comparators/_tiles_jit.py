@@ -102,7 +102,7 @@ def _tile(kind, a16, lut, a32, a32i, e, i, c, lc, blk, first_block, tiny, sp_sca
             rows[8, k] = ad if ax < th3 else rel  # diff3's value, for its maximum
             sp[k] = ue
             ulps[s + k] = dist
-            bad += np.int64(not (ax <= max_finite)) + np.int64(not (abs(a) <= 1.8e308))
+            bad += np.int64(not (ax <= max_finite)) + np.int64(not (abs(a) <= 1.7976931348623157e308))
             n_big += np.int64(dist >= 65536)
             n_diff += np.int64(d != 0.0)
             n_below += np.int64(d < 0.0)
