@@ -142,8 +142,8 @@ class StatsBatch:
                 self._fps = np.concatenate([self._fps, np.empty_like(self._fps)])
             try:
                 stats_kernel.stats_into(t, self._out, self._fps, row)
-            except RuntimeError:  # no NumPy view of this tensor (conjugate/negative bit)
-                pass
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                pass  # no NumPy view (a negative-bit view, a tensor subclass): the eager path below
             else:
                 self._fused[handle] = (row, numel)
                 return handle

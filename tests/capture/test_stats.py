@@ -94,3 +94,9 @@ def test_empty_and_unsupported_dtypes_use_the_eager_path():
               torch.ones(3, dtype=torch.complex64), torch.ones(3).to(torch.float8_e4m3fn)):
         f, e = _both(t)
         assert f == e
+
+
+def test_a_negative_view_takes_the_eager_path():
+    t = torch._neg_view(torch.tensor([1.0, -3.0, 2.0]))  # no NumPy view of a negative-bit tensor
+    f, e = _both(t)
+    assert f == e and f["min"] == -2.0 and f["max"] == 3.0
