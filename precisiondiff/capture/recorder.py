@@ -195,8 +195,9 @@ class Recorder:
             # A reshaped view of a recorded contiguous tensor (view, unsqueeze, _unsafe_view: ops
             # that are not recorded) holds the same elements in the same order: same statistics
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
+            # (not for inference tensors: without a version counter an in-place change is invisible)
             content = (ident[0], ident[1], t.numel(), ident[4], ident[5]) \
-                if not fresh and t.is_contiguous() else None
+                if not fresh and ident[5] != -1 and t.is_contiguous() else None
             same = self._same_content.get(content) if content is not None else None
             if same is not None:
                 handle = same[1]
