@@ -14,7 +14,8 @@ every ratio compares steps measured side by side in the same process:
   task and level (L0 = module, L1 = API ~ op, mix = all); its default ``risk_level`` FOCUS leaves
   out low-risk APIs (views, casts, clone...), so it records fewer events than op level here;
 - DebugMode: ``with DebugMode(record_nn_module=True), DebugMode.log_tensor_hashes(hash_inputs=True)``
-  (every ATen op with an L1-norm hash of its inputs and outputs, and module boundaries).
+  (every ATen op with an L1-norm hash of its inputs and outputs, and module boundaries);
+- "pd mem": precisiondiff's capture into a ``MemorySink`` (no dump writer): what the writer costs.
 
 Prints overhead = instrumented / plain - 1 per tool and the ratio of precisiondiff's overhead to
 msprobe's at the matching level and mode (goal <= 0.2) and to DebugMode's (goal < 1).
@@ -107,12 +108,14 @@ def worker(model_name: str, tool: str, level: str, mode: str, repeats: int) -> d
     torch.set_num_threads(1)
     model, step = build(model_name)
     tmp = tempfile.mkdtemp(prefix="pdbench-")
-    if tool == "precisiondiff":
+    if tool in ("precisiondiff", "pd-memory"):
         import precisiondiff
 
         def inst(rep):
+            # pd-memory: the same capture into a MemorySink, i.e. without the dump writer
+            sink = precisiondiff.capture.MemorySink() if tool == "pd-memory" else None
             with precisiondiff.capture(os.path.join(tmp, "pd"), model=model, level=level, mode=mode,
-                                       overwrite=True):
+                                       overwrite=True, sink=sink):
                 step()
     elif tool == "debugmode":
         from torch.utils._debug_mode import DebugMode
@@ -171,20 +174,21 @@ def main() -> None:
     import torch
     print(f"torch {torch.__version__}, one thread, CPU float32; overhead = instrumented / plain - 1 "
           f"(median of {args.repeats} interleaved pairs)")
-    print(f"{'model':<7} {'level/mode':<14} {'plain ms':>9} {'pd':>7} {'msprobe':>8} {'DebugMode':>10} "
-          f"{'pd/msprobe':>11} {'pd/DebugMode':>13}")
+    print(f"{'model':<7} {'level/mode':<14} {'plain ms':>9} {'pd':>7} {'pd mem':>7} {'msprobe':>8} "
+          f"{'DebugMode':>10} {'pd/msprobe':>11} {'pd/DebugMode':>13}")
     for model in args.models.split(","):
         dm = _run_worker(args, model, "debugmode", "op", "stats")
         for level, mode in PD_CONFIGS:
             if model == "mlp10m" and mode == "tensors":
                 continue  # ~0.5 GB of dump per step: disk-bound, not measured here
             pd = _run_worker(args, model, "precisiondiff", level, mode)
+            mem = _run_worker(args, model, "pd-memory", level, mode)
             ms = None if args.no_msprobe else _run_worker(args, model, "msprobe", level, mode)
             f = lambda r: f"{r['overhead']:.2f}" if r else "-"  # noqa: E731
             ratio = lambda a, b: f"{a['overhead'] / b['overhead']:.2f}" if a and b and b["overhead"] > 0 else "-"  # noqa: E731
             dmc = dm if level == "op" and mode == "stats" else None
             print(f"{model:<7} {level + '/' + mode:<14} {pd['plain_ms'] if pd else float('nan'):9.2f} "
-                  f"{f(pd):>7} {f(ms):>8} {f(dmc):>10} {ratio(pd, ms):>11} {ratio(pd, dmc):>13}", flush=True)
+                  f"{f(pd):>7} {f(mem):>7} {f(ms):>8} {f(dmc):>10} {ratio(pd, ms):>11} {ratio(pd, dmc):>13}", flush=True)
 
 
 if __name__ == "__main__":
