@@ -1,11 +1,14 @@
 """Throughput of compare_tensors vs a plain memory copy of the same bytes, side by side.
 
 Usage: python benchmarks/bench_compare.py [--sizes 64M,1G] [--dtypes float32,bfloat16]
-       [--device cpu] [--repeat 1]
+       [--expected float64] [--device cpu] [--repeat 1] [--fallback]
 
-SIZE is the bytes of *each* tensor; the pair (actual in DTYPE, expected in float64 would
-double memory, so expected has the same DTYPE here) is 2*SIZE. Throughput = pair bytes / s; ``ratio`` = compare / copy throughput, ``x copy`` = its inverse
-(how many copies of the pair one comparison costs). Both are timed in the same run.
+SIZE is the bytes of the *actual* tensor (DTYPE); expected is ``--expected`` (float64 by
+default: the reference run's dtype; ``same`` for DTYPE). Throughput = bytes of the pair / s;
+``ratio`` = compare / copy throughput (goal >= 0.5), ``x copy`` = its inverse (how many
+copies of the pair one comparison costs). The copy copies the pair's bytes once, with the
+same thread count. ``--fallback`` also times the pure-PyTorch path (numba disabled for the
+call). Everything is timed in the same run.
 """
 from __future__ import annotations
 
@@ -49,20 +52,24 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--chunk-elems", type=int, default=None)
+    p.add_argument("--expected", default="float64", help="float64 or same")
+    p.add_argument("--fallback", action="store_true", help="also time the PyTorch fallback")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}")
-    print(f"{'dtype':>9} {'size':>6} {'copy GB/s':>10} {'compare GB/s':>13} {'ratio':>7} "
-          f"{'compare s':>10} {'x copy':>7}")
+    print(f"{'dtype':>9} {'expected':>9} {'size':>6} {'copy GB/s':>10} {'compare GB/s':>13} {'ratio':>7} "
+          f"{'compare s':>10} {'x copy':>7}" + (f" {'fallback s':>11} {'speed-up':>9}" if args.fallback else ""))
     for name in args.dtypes.split(","):
         dt = getattr(torch, name)
         for s in args.sizes.split(","):
             nbytes = _size(s)
             n = nbytes // torch.empty((), dtype=dt).element_size()
             g = torch.Generator(device=dev).manual_seed(0)
-            e = torch.randn(n, generator=g, device=dev).to(dt)
-            a = (e.float() * (1 + 1e-3 * torch.randn(n, generator=g, device=dev))).to(dt)
-            pair = 2 * nbytes
+            edt = dt if args.expected == "same" else getattr(torch, args.expected)
+            e = torch.randn(n, generator=g, device=dev, dtype=torch.float64)
+            a = (e * (1 + 1e-3 * torch.randn(n, generator=g, device=dev, dtype=torch.float64))).to(dt)
+            e = e.to(edt)
+            pair = nbytes + n * e.element_size()
             src = torch.empty(pair, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
             t_copy = _best(lambda: dst.copy_(src), max(args.repeat, 3), dev)
@@ -70,8 +77,17 @@ def main(argv=None) -> None:
             kw = {} if args.chunk_elems is None else {"chunk_elems": args.chunk_elems}
             t_cmp = _best(lambda: compare_tensors(a, e, **kw), args.repeat, dev)
             c, m = pair / t_copy / 1e9, pair / t_cmp / 1e9
-            print(f"{name:>9} {s:>6} {c:10.2f} {m:13.3f} {m / c:7.4f} {t_cmp:10.2f} "
-                  f"{t_cmp / t_copy:7.1f}", flush=True)
+            extra = ""
+            if args.fallback:
+                from precisiondiff.comparators import tiles_kernel
+                saved, tiles_kernel.AVAILABLE = tiles_kernel.AVAILABLE, False
+                try:
+                    t_fb = _best(lambda: compare_tensors(a, e, **kw), args.repeat, dev)
+                finally:
+                    tiles_kernel.AVAILABLE = saved
+                extra = f" {t_fb:11.2f} {t_fb / t_cmp:9.1f}"
+            print(f"{name:>9} {str(edt)[6:]:>9} {s:>6} {c:10.2f} {m:13.3f} {m / c:7.4f} {t_cmp:10.2f} "
+                  f"{t_cmp / t_copy:7.1f}" + extra, flush=True)
             del a, e
 
 

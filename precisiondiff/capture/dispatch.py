@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .distributed import collective, destinations, wait_collective
+from .distributed import COLLECTIVE_NAMESPACES, collective, destinations, wait_collective
 from .ran_on import ran_on
 from .serialize import encode_args, flatten_tensors, is_replayable
 
@@ -25,9 +25,7 @@ _ALWAYS_SKIP = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_s
                 "aten.is_same_size.default", "aten.set_.source_Storage_storage_offset",
                 # uninitialized memory: recording it would only record noise
                 "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
-                "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out",
-                # a functional collective's wait and autograd wrapper: the collective is recorded
-                "_c10d_functional.wait_tensor.default", "_c10d_functional._wrap_tensor_autograd.default"}
+                "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
 
 
 # In-place ops whose first argument is overwritten without being read: its old contents (often
@@ -54,10 +52,38 @@ def _overwritten(name: str, args: tuple, kwargs: dict) -> set:
     return ids
 
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+_set_grad_enabled = torch._C._set_grad_enabled
+_Tensor = torch.Tensor
+
+
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread."""
-    getter = getattr(torch._C, "_current_graph_task_id", None)
-    return getter is not None and getter() != -1
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+class _OpInfo:
+    """What the mode needs to know about an op, worked out once per op overload."""
+
+    __slots__ = ("name", "mutable", "overwrites_self", "collective")
+
+    def __init__(self, name: str, mutable: bool, overwrites_self: bool, collective: bool = False) -> None:
+        self.name, self.mutable, self.overwrites_self = name, mutable, overwrites_self
+        self.collective = collective
+
+
+_SKIPPED = _OpInfo("", False, False)
+
+
+def _flat_inputs(args: tuple, kwargs: dict) -> list:
+    # most ops take tensors and scalars only: no nested walk
+    for a in args:
+        if type(a) in (list, tuple, dict):
+            return flatten_tensors((args, kwargs))
+    inputs = [a for a in args if isinstance(a, _Tensor)]
+    if kwargs:
+        inputs.extend(flatten_tensors(kwargs))
+    return inputs
 
 
 class OpCaptureMode(TorchDispatchMode):
@@ -66,71 +92,94 @@ class OpCaptureMode(TorchDispatchMode):
     def __init__(self, session: "CaptureSession") -> None:
         super().__init__()
         self.session = session
-        self._names: Dict[Any, str] = {}
+        self._info: Dict[Any, _OpInfo] = {}
+        self._scopes: Dict[str, bool] = {}
 
-    def _name(self, func: Any) -> str:
-        name = self._names.get(func)
-        if name is None:
-            name = str(func)
-            if name in _ALWAYS_SKIP or (not self.session.filter.views and getattr(func, "is_view", False)):
-                name = ""
-            elif not self.session.filter.want_op(name):
-                name = ""
-            self._names[func] = name
-        return name
+    def _describe(self, func: Any) -> _OpInfo:
+        name = str(func)
+        if name in _ALWAYS_SKIP or (not self.session.filter.views and getattr(func, "is_view", False)) \
+                or not self.session.filter.want_op(name):
+            info = _SKIPPED
+        else:
+            info = _OpInfo(name, bool(func._schema.is_mutable), name in _OVERWRITES_SELF,
+                           name.startswith(COLLECTIVE_NAMESPACES))
+        self._info[func] = info
+        return info
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kwargs = kwargs or {}
+        info = self._info.get(func)
+        if info is None:
+            info = self._describe(func)
         session = self.session
-        if session.paused or not session.recording:
-            return func(*args, **kwargs)
-        name = self._name(func)
-        backward = in_backward()
+        if not info.name or session.paused or not session.recording:
+            return func(*args, **(kwargs or {}))
+        backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
         scope = session.current_scope(backward)
-        if not name or not session.filter.want_scope(scope):
-            return func(*args, **kwargs)
+        wanted = self._scopes.get(scope)
+        if wanted is None:
+            wanted = self._scopes[scope] = session.filter.want_scope(scope)
+        if not wanted:
+            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         # A failure of capture itself (statistics, a full disk) never reaches the workload: the op
         # runs exactly once whatever happens here, and the session notes the error and stops.
+        grad = torch.is_grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
         try:
-            event = self._inputs(name, scope, backward, args, kwargs)
+            event = self._inputs(info, scope, backward, args, kwargs)
         except Exception as err:  # noqa: BLE001
             session.capture_failed(err)
             return func(*args, **kwargs)
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         out = func(*args, **kwargs)
+        if grad:
+            _set_grad_enabled(False)
         try:
-            self._outputs(func, name, event, args, kwargs, out)
+            self._outputs(func, info, event, args, kwargs, out)
         except Exception as err:  # noqa: BLE001
             session.capture_failed(err)
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         return out
 
-    def _inputs(self, name: str, scope: str, backward: bool, args: tuple, kwargs: dict) -> Any:
+    def _inputs(self, info: _OpInfo, scope: str, backward: bool, args: tuple, kwargs: dict) -> Any:
         rec = self.session.recorder
-        event = rec.begin("op", scope, name, "backward" if backward else "forward")
-        inputs = flatten_tensors((args, kwargs))
-        skip = _overwritten(name, args, kwargs)
-        with torch.no_grad():
-            for i, t in enumerate(inputs):
-                if id(t) not in event.slots and id(t) not in skip:
-                    rec.add(event, f"input.{i}", t)
+        event = rec.begin("op", scope, info.name, "backward" if backward else "forward")
+        inputs = _flat_inputs(args, kwargs)
+        # what the op writes without reading (in-place fills, out= destinations, a collective's
+        # output buffers) is not an input
+        skip = _overwritten(info.name, args, kwargs) \
+            if info.overwrites_self or info.collective or "out" in kwargs else ()
+        slots = event.slots
+        for i, t in enumerate(inputs):
+            if id(t) not in slots and id(t) not in skip:
+                rec.add(event, f"input.{i}", t)
         return event
 
-    def _outputs(self, func: Any, name: str, event: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _outputs(self, func: Any, info: _OpInfo, event: Any, args: tuple, kwargs: dict, out: Any) -> None:
         rec = self.session.recorder
-        group = collective(name, args, kwargs)
-        if group is not None:
-            event.extra = {"collective": group}
-            # an async collective's output is read once its work is done (docs/distributed.md)
-            try:
-                wait_collective(name, out)
-            except Exception as err:  # noqa: BLE001 - the job's failure (a peer died), not capture's:
-                group["failed"] = str(err).splitlines()[0] if str(err) else type(err).__name__
-                rec.finish(event)  # its inputs only; the workload's own wait raises the error
-                return
+        mutated = info.mutable
+        if info.collective:
+            group = collective(info.name, args, kwargs)
+            if group is not None:
+                event.extra = {"collective": group}
+                # an async collective's output is read once its work is done (docs/distributed.md)
+                try:
+                    wait_collective(info.name, out)
+                except Exception as err:  # noqa: BLE001 - the job's failure (a peer died), not capture's:
+                    group["failed"] = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    rec.finish(event)  # its inputs only; the workload's own wait raises the error
+                    return
+                mutated = True  # c10d ops write their tensors without declaring it in their schema
         # An in-place op returns its mutated input; its version counter is bumped only after this
-        # mode returns, so de-duplication would take it for the unmodified tensor. c10d ops write
-        # their tensors without declaring it in their schema.
-        mutated = func._schema.is_mutable or group is not None
-        with torch.no_grad():
+        # mode returns, so de-duplication would take it for the unmodified tensor.
+        if isinstance(out, _Tensor):
+            rec.add(event, "output.0", out, fresh=mutated)
+        else:
             for i, t in enumerate(flatten_tensors(out)):
                 rec.add(event, f"output.{i}", t, fresh=mutated)
         encoded = None

@@ -20,9 +20,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["layout", "rank_and_world", "collective", "wait_collective", "destinations", "local_view"]
+__all__ = ["COLLECTIVE_NAMESPACES", "layout", "rank_and_world", "collective", "wait_collective", "destinations", "local_view"]
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+COLLECTIVE_NAMESPACES = _NAMESPACES  # op-name prefixes of collectives
 
 
 def is_initialized() -> bool:

@@ -7,7 +7,6 @@ held until their statistics are read back in one batch, then emitted in executio
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -20,6 +19,8 @@ from .streams import StreamSet
 __all__ = ["Sink", "MemorySink", "Recorder", "PendingEvent", "make_key", "MODES"]
 
 MODES = ("stats", "tensors", "replay")
+
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 
 
 def make_key(scope: str, name: str, call: int, direction: str, slot: str, step: Optional[int] = None) -> str:
@@ -56,28 +57,51 @@ class MemorySink:
         return self.data[record["data_key"]]
 
 
-@dataclass
 class PendingEvent:
-    """An event being recorded; finished by :meth:`Recorder.finish`."""
+    """An event being recorded; finished by :meth:`Recorder.finish`.
 
-    kind: str
-    scope: str
-    name: str
-    direction: str
-    call: int
-    step: int
-    tensors: List[Tuple[dict, int]] = field(default_factory=list)
-    slots: Dict[int, str] = field(default_factory=dict)
-    device: Optional[str] = None
-    output_seen: bool = False
-    extra: Optional[dict] = None  # event fields beyond the schema's (a collective's group)
+    ``tensors`` holds one ``(slot, dtype, shape, data_key, stats handle, extra fields)`` per
+    recorded tensor; the index records (and their keys) are built when the event is emitted.
+    ``extra`` holds event fields beyond the schema's (a collective's group)."""
+
+    __slots__ = ("kind", "scope", "name", "direction", "call", "step", "tensors", "slots", "device",
+                 "output_seen", "seq", "args", "extra")
+
+    def __init__(self, kind: str, scope: str, name: str, direction: str, call: int, step: int) -> None:
+        self.kind, self.scope, self.name, self.direction, self.call, self.step = \
+            kind, scope, name, direction, call, step
+        self.tensors: List[tuple] = []
+        self.slots: Dict[int, str] = {}
+        self.device: Optional[str] = None
+        self.output_seen = False
+        self.seq = 0
+        self.args: Any = None
+        self.extra: Optional[dict] = None
 
 
-def _identity(t: torch.Tensor) -> Optional[tuple]:
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+_DEVICE_NAMES: Dict[torch.device, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
+def _identity(t: torch.Tensor) -> tuple:
     try:
         version = t._version
-    except RuntimeError:  # inference tensors have no version counter: never de-duplicated
-        return None
+    except RuntimeError:  # inference tensors have no version counter
+        version = -1
     try:
         ptr = t.data_ptr()  # storage address + offset: with shape and strides, the same view
     except RuntimeError:  # tensors without storage
@@ -87,17 +111,6 @@ def _identity(t: torch.Tensor) -> Optional[tuple]:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _content_identity(t: torch.Tensor) -> Optional[tuple]:
-    """Same memory, same element order: (device, address, numel, dtype, version) of a contiguous
-    tensor; None for others."""
-    if not t.is_contiguous():
-        return None
-    try:
-        return (t.device, t.data_ptr(), t.numel(), t.dtype, t._version)
-    except RuntimeError:
-        return None
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -172,41 +185,44 @@ class Recorder:
         ``fresh`` skips de-duplication: the tensor's contents changed without a new identity.
         A DTensor is measured on its local shard; a meta or fake tensor is recorded unmeasured.
         """
-        original = t
-        t, extra = local_view(t)
-        if t is None:
-            return self._add_unmeasured(event, slot, original, extra)
+        # The hot path of capture (every tensor of every op): no key strings here (built when
+        # the event is emitted, and only in tensors/replay mode when the data is stored now).
+        original, extra = t, None
+        cls = type(t)
+        if (cls is not _Tensor and cls is not _Parameter) or t.is_meta:
+            t, extra = local_view(t)
+            if t is None:
+                return self._add_unmeasured(event, slot, original, extra)
+        stores = store and self.mode != "stats"
+        if stores and t.dtype not in SUPPORTED_DTYPES:
+            stores, extra = False, {**(extra or {}), "not_stored": "no dump encoding for this dtype"}
         if t.device.type != "cpu":
             self._streams.note(t.device)
-        if store and self.stores_data and t.dtype not in SUPPORTED_DTYPES:
-            store, extra = False, {**extra, "not_stored": "no dump encoding for this dtype"}
-        # Keys carry the step when the dump holds several: always for an explicit multi-step
-        # selection; with no selection, from the second step on (a one-step capture stays plain).
-        step = self.step if (self.multi_step is True or (self.multi_step is None and self.step > 0)) else None
-        key = make_key(event.scope, event.name, event.call, event.direction, slot, step)
         ident = _identity(t)
-        if ident is None:
+        if ident[5] == -1:  # an inference tensor: no version counter, so never de-duplicated
             fresh = True
         seen = None if fresh else self._seen.get(ident)
         if seen is not None:
             self._seen.move_to_end(ident)
             _, data_key, handle = seen
-            if data_key is None and store and self.stores_data:
-                data_key = key
-                self._data[key] = _host_copy(t)
+            if data_key is None and stores:
+                data_key = self._key(event, slot)
+                self._data[data_key] = _host_copy(t)
                 self._data_bytes += _nbytes(t)
                 self._seen[ident] = (t, data_key, handle)
         else:
             data_key = None
             copy = None
-            if store and self.stores_data:
-                data_key = key
-                copy = self._data[key] = _host_copy(t)
+            if stores:
+                data_key = self._key(event, slot)
+                copy = self._data[data_key] = _host_copy(t)
                 self._data_bytes += _nbytes(t)
             # A reshaped view of a recorded contiguous tensor (view, unsqueeze, _unsafe_view: ops
             # that are not recorded) holds the same elements in the same order: same statistics
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
-            content = _content_identity(t) if not fresh else None
+            # (not for inference tensors: without a version counter an in-place change is invisible)
+            content = (ident[0], ident[1], t.numel(), ident[4], ident[5]) \
+                if not fresh and ident[5] != -1 and t.is_contiguous() else None
             same = self._same_content.get(content) if content is not None else None
             if same is not None:
                 handle = same[1]
@@ -216,28 +232,29 @@ class Recorder:
                     # keeping the tensor alive keeps its memory from being reused meanwhile
                     # (the same tensor as the _seen entry below: its bytes are counted there)
                     self._same_content[content] = (t, handle)
-            if ident is not None:
+            if ident[5] != -1:
                 self._seen[ident] = (t, data_key, handle)
                 self._kept_bytes += _nbytes(t)
-                self._evict()
-        record = {"key": key, "slot": slot, "dtype": str(t.dtype).removeprefix("torch."),
-                  "shape": list(t.shape), "stats": None, "data_key": data_key}
-        if extra:
-            record.update(extra)
-        event.tensors.append((record, handle))
-        event.slots.setdefault(id(original), slot)  # an in-place op returns its input: args name the input
-        if slot.startswith("output") and not event.output_seen:
-            event.device, event.output_seen = str(t.device), True
+                if len(self._seen) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
+                    self._evict()
+        event.tensors.append((slot, ident[4], ident[2], data_key, handle, extra))
+        slots = event.slots
+        if id(original) not in slots:
+            slots[id(original)] = slot  # an in-place op returns its input: args name the input
+        if not event.output_seen and slot.startswith("output"):
+            event.device, event.output_seen = _device_name(ident[0]), True
         elif event.device is None:
-            event.device = str(t.device)
+            event.device = _device_name(ident[0])
+
+    def _key(self, event: PendingEvent, slot: str) -> str:
+        # Keys carry the step when the dump holds several: always for an explicit multi-step
+        # selection; with no selection, from the second step on (a one-step capture stays plain).
+        step = event.step if (self.multi_step is True or (self.multi_step is None and event.step > 0)) else None
+        return make_key(event.scope, event.name, event.call, event.direction, slot, step)
 
     def _add_unmeasured(self, event: PendingEvent, slot: str, t: torch.Tensor, extra: dict) -> None:
         """A tensor without data capture can read (meta, fake, opaque subclass): named, not measured."""
-        step = self.step if (self.multi_step is True or (self.multi_step is None and self.step > 0)) else None
-        record = {"key": make_key(event.scope, event.name, event.call, event.direction, slot, step),
-                  "slot": slot, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                  "stats": None, "data_key": None, **extra}
-        event.tensors.append((record, None))
+        event.tensors.append((slot, t.dtype, t.shape, None, None, extra))
         event.slots.setdefault(id(t), slot)
         if event.device is None:
             event.device = str(t.device)
@@ -258,9 +275,9 @@ class Recorder:
         """Close an event; it is emitted at the next batch read-back."""
         if not event.tensors:
             return
-        event.seq = self.seq  # type: ignore[attr-defined]
+        event.seq = self.seq
         self.seq += 1
-        event.args = args  # type: ignore[attr-defined]
+        event.args = args
         self._pending.append(event)
         if (len(self._pending) >= self.batch_events or self._stats.pending_elements > self.batch_elements
                 or self._data_bytes > self.host_bytes):
@@ -273,20 +290,28 @@ class Recorder:
         self._streams.join()
         self._stats.resolve()
         pending, self._pending = self._pending, []
+        get = self._stats.get
+        write = self.sink.write_event
+        rank = self.rank
         for ev in pending:
             tensors, data = [], {}
-            for record, handle in ev.tensors:
-                record["stats"] = self._stats.get(handle) if handle is not None else None
+            for slot, dtype, shape, data_key, handle, extra in ev.tensors:
+                record = {"key": self._key(ev, slot), "slot": slot, "dtype": _dtype_name(dtype),
+                          "shape": list(shape), "stats": get(handle) if handle is not None else None,
+                          "data_key": data_key}
+                if extra:
+                    record.update(extra)
                 tensors.append(record)
-                copy = self._data.pop(record["data_key"], None) if record["data_key"] else None
-                if copy is not None:
-                    data[record["data_key"]] = copy
-            out = {"seq": ev.seq, "step": ev.step, "rank": self.rank, "kind": ev.kind,
+                if data_key is not None:
+                    copy = self._data.pop(data_key, None)
+                    if copy is not None:
+                        data[data_key] = copy
+            out = {"seq": ev.seq, "step": ev.step, "rank": rank, "kind": ev.kind,
                    "scope": ev.scope, "name": ev.name, "direction": ev.direction, "call": ev.call,
                    "device": ev.device, "tensors": tensors, "args": ev.args}
             if ev.extra:
                 out.update(ev.extra)
-            self.sink.write_event(out, data)
+            write(out, data)
             self.events_written += 1
         # copies of events still open (a module whose inputs were recorded) stay held
         self._data_bytes = sum(_nbytes(t) for t in self._data.values())

@@ -10,19 +10,27 @@ group instead of a dozen kernel launches per tensor. Large tensors are reduced i
 launch cost is negligible next to their work, and snapshotting them would double memory).
 Either way the results reach the host in one copy per device per batch: capture never
 synchronizes per tensor.
+
+On the CPU, when numba is installed (``precisiondiff[fast]``), floating tensors take the fused
+kernel of :mod:`precisiondiff.capture.stats_kernel` instead, at once: one pass over the
+tensor's memory, no snapshot copy, no concatenation; results are formatted only when read.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..store.fingerprint import _BITS, PERIOD, bits_of, fingerprint_hex, fingerprint_tensor, salts
+from . import stats_kernel
 
 __all__ = ["STAT_FIELDS", "StatsBatch", "SMALL_TENSOR_ELEMENTS"]
 
 STAT_FIELDS = ("min", "max", "mean", "abs_mean", "norm", "nan", "inf")
 SMALL_TENSOR_ELEMENTS = PERIOD  # batched tensors fit one fingerprint period
+_FUSED_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
 _EMPTY = {"min": None, "max": None, "mean": None, "abs_mean": None, "norm": 0.0, "nan": 0, "inf": 0,
           "fingerprint": fingerprint_hex([0, 0])}
 
@@ -94,10 +102,20 @@ def _segment_sums_int(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 class StatsBatch:
-    """Collects device-side statistics; :meth:`resolve` reads them all back at once."""
+    """Collects device-side statistics; :meth:`resolve` reads them all back at once.
 
-    def __init__(self, *, small_elements: int = SMALL_TENSOR_ELEMENTS) -> None:
+    Args:
+        small_elements: tensors up to this size are batched (eager path).
+        fast: use the fused CPU kernel when available (False: always the eager path).
+    """
+
+    def __init__(self, *, small_elements: int = SMALL_TENSOR_ELEMENTS, fast: bool = True) -> None:
         self.small_elements = small_elements
+        self.fast = fast and stats_kernel.AVAILABLE
+        # fused-kernel rows: handle -> (row, numel), filled in place by the kernel
+        self._fused: Dict[int, Tuple[int, int]] = {}
+        self._out = np.empty((64, 7))
+        self._fps = np.empty((64, 2), dtype=np.int64)
         self._large: Dict[torch.device, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._small: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
         self._results: Dict[int, dict] = {}
@@ -117,6 +135,18 @@ class StatsBatch:
         if numel == 0:
             self._results[handle] = dict(_EMPTY)
             return handle
+        if self.fast and t.dtype in _FUSED_DTYPES and t.device.type == "cpu":
+            row = len(self._fused)
+            if row == self._out.shape[0]:
+                self._out = np.concatenate([self._out, np.empty_like(self._out)])
+                self._fps = np.concatenate([self._fps, np.empty_like(self._fps)])
+            try:
+                stats_kernel.stats_into(t, self._out, self._fps, row)
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                pass  # no NumPy view (a negative-bit view, a tensor subclass): the eager path below
+            else:
+                self._fused[handle] = (row, numel)
+                return handle
         with torch.no_grad():
             if numel <= min(self.small_elements, SMALL_TENSOR_ELEMENTS) and not t.is_complex() and t.element_size() in _BITS:
                 if snapshot is not None and snapshot.device == t.device:
@@ -135,6 +165,7 @@ class StatsBatch:
 
     def resolve(self) -> None:
         """Reduce the queued small tensors, then one host copy per device for everything."""
+        self._resolve_fused()
         per_device: Dict[torch.device, List[Tuple[List[int], torch.Tensor, torch.Tensor]]] = {}
         with torch.no_grad():
             for (device, _), items in self._small.items():
@@ -157,10 +188,31 @@ class StatsBatch:
         self._large.clear()
         self.pending_elements = 0
 
+    def _resolve_fused(self) -> None:
+        if not self._fused:
+            return
+        rows = len(self._fused)
+        out = self._out[:rows].tolist()
+        fps = self._fps[:rows].tolist()
+        for handle, (row, numel) in self._fused.items():
+            lo, hi, total, absolute, squares, nan, inf = out[row]
+            if nan:
+                lo = hi = math.nan
+            self._results[handle] = {
+                "min": lo, "max": hi, "mean": total / numel, "abs_mean": absolute / numel,
+                "norm": math.sqrt(squares), "nan": int(nan), "inf": int(inf),
+                "fingerprint": fingerprint_hex(fps[row][:2])}
+        self._fused.clear()
+
     def get(self, handle: int) -> dict:
-        return self._results[handle]
+        result = self._results.get(handle)
+        if result is None:
+            self._resolve_fused()
+            result = self._results[handle]
+        return result
 
     def clear(self) -> None:
+        self._fused.clear()
         self._small.clear()
         self._large.clear()
         self._results.clear()

@@ -19,14 +19,20 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from .ulp import (
-    ComparatorError,
-    FloatFormat,
-    _ordered_key,
-    float_format,
-    round_to_dtype,
-    ulp_distance,
+from .tiles import (
+    REL_ERR_RATIO_LEVELS,
+    ROWS,
+    TILE,
+    P99Histogram,
+    finite_tile,
+    general_tile,
+    tile_distances,
+    tree_sums,
 )
+from .tiles import P99Histogram as _P99Histogram  # noqa: F401  (tests patch it here)
+from .tiles import _SIGNED_VIEW, _isfinite
+from . import tiles_kernel
+from .ulp import ComparatorError, float_format, round_to_dtype
 
 __all__ = [
     "TensorMetrics",
@@ -49,17 +55,6 @@ DIFF3_THRESHOLDS = {
     "bfloat16": 1e-4,
     "float8": 1e-2,
 }
-
-#: msprobe "one thousandth" and "five thousandths" levels (we store the failing fraction).
-REL_ERR_RATIO_LEVELS = (1e-3, 5e-3)
-
-# p99 of multi-chunk tensors: exact counts of distances below 2**16 (a bincount as long as
-# the largest one), 4096 coarse bins per binade above, then an exact second pass in one bin.
-_EXACT_BINS = 1 << 16
-_SUB = 4096
-_N_BIG = 49 * _SUB
-_TILE = 1 << 16  # elements per tile: the ~15 float64 rows of a tile stay in L2/L3
-_ROWS = 9  # |d|, |e|, d^2, e^2, a^2, a e, rel, ulp, ulp_err
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -184,228 +179,6 @@ class TensorMetrics:
         return cls(**kw)
 
 
-def _tree_sums(w: torch.Tensor, tmp: torch.Tensor, length: int) -> torch.Tensor:
-    """Block sums of ``w[:, :length]`` (zero-padded to ``length``, a multiple of the block or
-    a power of two below it) by the fixed pairwise tree ``x[2i] + x[2i+1]``, level by level,
-    ping-ponging between ``w`` and ``tmp`` (each level writes where nothing it reads lives)."""
-    k = w.shape[0]
-    blk = min(length, _BLOCK)
-    x = w[:, :length].view(k, length // blk, blk)
-    bufs = (tmp, w)
-    lvl = 0
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        out = bufs[lvl % 2][:, : x.shape[1] * h].view(k, x.shape[1], h)
-        torch.add(x[..., 0::2], x[..., 1::2], out=out)
-        x = out
-        lvl += 1
-    return x[..., 0].clone()
-
-
-def _ulp_bins(d: torch.Tensor) -> torch.Tensor:
-    """Coarse histogram bin of integer ULP distances >= 2**16 (float64): 4096 per binade."""
-    m, e = torch.frexp(d)
-    frac = ((m * 2 - 1) * _SUB).floor().to(torch.int64)
-    return ((e.to(torch.int64) - 17) * _SUB + frac).clamp(max=_N_BIG - 1)
-
-
-def _bin_edges(i: int):
-    e, f = divmod(i, _SUB)
-    return math.ldexp(1.0 + f / _SUB, 16 + e), math.ldexp(1.0 + (f + 1) / _SUB, 16 + e)
-
-
-_SIGNED_VIEW = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
-_EXP_MASK = 0x7FF0000000000000  # float64 exponent field: |x| -> 2**floor(log2 |x|) (normal x)
-
-
-def _isfinite(x: torch.Tensor) -> torch.Tensor:
-    if x.element_size() == 1:  # float8: compare in float32
-        x = x.to(torch.float32)
-    return torch.isfinite(x)
-
-
-def _distance(ac: torch.Tensor, r: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """ULP distance of ``ac`` to ``r`` (same dtype): int keys for <= 32 bits (NaN not
-    handled), float64 with ulp_distance's NaN rules for float64."""
-    if fmt.bits == 64:
-        return ulp_distance(ac, r)
-    k = _ordered_key(ac, fmt)
-    return k.sub_(_ordered_key(r, fmt)).abs_()
-
-
-def _spacing_into(e: torch.Tensor, out: torch.Tensor, scale: float, floor: float) -> torch.Tensor:
-    """``ulp_spacing(e)`` from the exponent bits: ``max(2**floor(log2|e|) 2**-m, 2**(emin-m))``;
-    exact (powers of two), inf for inf/NaN ``e`` (so ``0 / spacing`` stays 0 there)."""
-    torch.bitwise_and(e.view(torch.int64), _EXP_MASK, out=out.view(torch.int64))
-    return out.mul_(scale).clamp_(min=floor)
-
-
-def _finite_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r,
-                 counts, maxes, hist, scratch) -> bool:
-    """One tile where ``actual`` and ``r`` (hence ``expected``) are all finite: no masks.
-
-    Returns False, having accumulated nothing, when that does not hold: ``max |a - e|`` is
-    then NaN or inf (a or e not finite), or ``max |e|`` exceeds ``max_finite`` (``r`` may
-    have overflowed; conservative)."""
-    ad, ae, d, e2, a2, axe, rel, ulp, ulperr = (w[j, :c] for j in range(_ROWS))
-    torch.sub(a, e, out=d)
-    torch.abs(d, out=ad)
-    torch.abs(e, out=ae)
-    ad_max = ad.max()
-    if not bool(torch.isfinite(ad_max) & (ae.max() <= fmt.max_finite)):
-        return False
-    n_diff, n_below = torch.count_nonzero(d), (d < 0).sum()
-    torch.mul(d, d, out=d)
-    torch.mul(e, e, out=e2)
-    torch.mul(a, a, out=a2)
-    torch.mul(a, e, out=axe)
-    torch.div(ad, torch.clamp(ae, min=tiny, out=rel), out=rel)
-    dist = _distance(ac, r, fmt)
-    ulp.copy_(dist)
-    hist.add(dist)
-    torch.div(ad, _spacing_into(e, scratch, sp_scale, sp_floor), out=ulperr)
-    d3max = torch.where(ae < th3, ad, rel, out=scratch).max()
-    torch.maximum(maxes, torch.stack([ad_max, rel.max(), ulp.max(), ulperr.max(), d3max]),
-                  out=maxes)
-    lvl1, lvl5 = REL_ERR_RATIO_LEVELS
-    zero = torch.zeros((), dtype=torch.int64, device=d.device)
-    if has_tol:
-        outside = (ad > torch.mul(ae, tol_r, out=scratch).add_(tol_a)).sum()
-    else:
-        outside = zero
-    counts += torch.stack([zero, zero, zero, zero, outside, (rel > lvl1).sum(),
-                           (rel > lvl5).sum(), n_diff, n_below])
-    return True
-
-
-def _general_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r,
-                  counts, maxes, hist) -> None:
-    """One tile with NaN or infinities: the masked formulas."""
-    ad, ae, d, e2, a2, axe, rel, ulp, ulperr = (w[j, :c] for j in range(_ROWS))
-    r64 = r.to(torch.float64)
-    a_nan, r_nan = a.isnan(), r64.isnan()
-    nan_mm = a_nan ^ r_nan
-    inf_mm = ~a_nan & ~r_nan & (a.isinf() | r64.isinf()) & (a != r64)
-    special = nan_mm | inf_mm
-    fin = torch.isfinite(a) & torch.isfinite(e)
-    nfin = ~fin
-    torch.sub(a, e, out=d).masked_fill_(nfin, 0.0)
-    n_diff, n_below = torch.count_nonzero(d), (d < 0).sum()
-    torch.abs(d, out=ad)
-    torch.abs(e, out=ae).masked_fill_(nfin, 0.0)
-    torch.mul(d, d, out=d)
-    a_f = a.masked_fill(nfin, 0.0)
-    e_f = e.masked_fill(nfin, 0.0)
-    torch.mul(e_f, e_f, out=e2)
-    torch.mul(a_f, a_f, out=a2)
-    torch.mul(a_f, e_f, out=axe)
-    torch.div(ad, torch.clamp(ae, min=tiny, out=rel), out=rel)
-    dist = _distance(ac, r, fmt)
-    if fmt.bits == 64:
-        ulp_ok = ~dist.isnan()
-    else:
-        ulp_ok = ~nan_mm
-    ulp.copy_(dist).masked_fill_(a_nan | r_nan, 0.0)  # both NaN: 0; one NaN: undefined
-    hist.add(ulp[ulp_ok])
-    torch.div(ad, _spacing_into(e, e_f, sp_scale, sp_floor), out=ulperr)
-    d3max = torch.where(ae < th3, ad, rel).max()
-    torch.maximum(maxes, torch.stack([ad.max(), rel.max(), ulp.max(), ulperr.max(), d3max]),
-                  out=maxes)
-    lvl1, lvl5 = REL_ERR_RATIO_LEVELS
-    if has_tol:
-        outside = ((fin & (ad > tol_a + tol_r * ae)) | special).sum()
-    else:
-        outside = torch.zeros((), dtype=torch.int64, device=d.device)
-    counts += torch.stack([
-        fin.sum(), ulp_ok.sum(), nan_mm.sum(), inf_mm.sum(), outside,
-        ((fin & (rel > lvl1)) | special).sum(), ((fin & (rel > lvl5)) | special).sum(),
-        n_diff, n_below])
-
-
-class _P99Histogram:
-    """Exact nearest-rank quantile of non-negative integer ULP distances, streamed.
-
-    Distances below 2**16 are counted exactly (a bincount as long as the largest). Larger
-    ones (float32/float64 only) are kept as values while they number at most ``cap`` and
-    otherwise counted in 4096 coarse bins per binade; if the quantile lands there, a second
-    pass over the data collects the values of that one bin and selects exactly among them.
-    """
-
-    def __init__(self, device: torch.device, cap: int) -> None:
-        self.device, self.cap = device, cap
-        self.small: Optional[torch.Tensor] = None
-        self.zeros = 0
-        self.big_bins: Optional[torch.Tensor] = None
-        self.big_vals: Optional[list] = []
-        self.n_kept = 0
-
-    def add_zeros(self, count: int) -> None:
-        self.zeros += count
-
-    def _add_small(self, ints: torch.Tensor) -> None:
-        if ints.numel() == 0:
-            return
-        b = torch.bincount(ints)
-        if self.small is None:
-            self.small = b
-        elif b.numel() <= self.small.numel():
-            self.small[: b.numel()] += b
-        else:
-            b[: self.small.numel()] += self.small
-            self.small = b
-
-    def add(self, dist: torch.Tensor) -> None:
-        if dist.numel() == 0:
-            return
-        if dist.dtype == torch.int32:  # <= 16-bit formats: always below 2**16
-            self._add_small(dist)
-            return
-        small = dist < _EXACT_BINS
-        if bool(small.all()):
-            self._add_small(dist.to(torch.int64))
-            return
-        self._add_small(dist[small].to(torch.int64))
-        big = dist[~small].to(torch.float64)
-        if self.big_bins is None:
-            self.big_bins = torch.zeros(_N_BIG, dtype=torch.int64, device=self.device)
-        self.big_bins += torch.bincount(_ulp_bins(big), minlength=_N_BIG)
-        if self.big_vals is not None:
-            self.n_kept += big.numel()
-            if self.n_kept <= self.cap:
-                self.big_vals.append(big)
-            else:
-                self.big_vals = None
-
-    def quantile(self, k: int, second_pass) -> float:
-        """The k-th smallest distance (1-based); ``second_pass()`` yields every tile's
-        defined distances again, called only when needed."""
-        n_small = self.zeros
-        if self.small is not None:
-            cum = torch.cumsum(self.small, 0)
-            cum[:] += self.zeros
-            n_small = int(cum[-1])
-            if k <= n_small:
-                return float(torch.searchsorted(cum, k).item())
-        elif k <= self.zeros:
-            return 0.0
-        k -= n_small
-        if self.big_vals is not None:
-            return float(torch.kthvalue(torch.cat(self.big_vals), k).values)
-        cumb = torch.cumsum(self.big_bins, 0)
-        j = int(torch.searchsorted(cumb, k).item())
-        below = int(cumb[j - 1]) if j else 0
-        lo, hi = _bin_edges(j)
-        vals = torch.cat([d[(d >= lo) & (d < hi)] for d in second_pass()])
-        return float(torch.kthvalue(vals, k - below).values)
-
-
-def _tile_distances(a_flat, e_flat, dtype, device, tile):
-    for i in range(0, a_flat.numel(), tile):
-        d = ulp_distance(a_flat[i : i + tile].to(device),
-                         round_to_dtype(e_flat[i : i + tile].to(device), dtype))
-        yield d[~d.isnan()]
-
-
 def _ratio(num: float, den: float) -> float:
     if den == 0:
         return 0.0 if num == 0 else math.inf
@@ -482,25 +255,25 @@ def compare_tensors(
         a_flat.view(_SIGNED_VIEW[fmt.bits]), e_flat.view(_SIGNED_VIEW[fmt.bits]))
     # Tiles: the unit of work. Results do not depend on the tiling (nor on chunk_elems), so
     # tiles are kept cache-sized; chunk_elems only bounds them from above.
-    tile = min(chunk, _TILE)
+    tile = min(chunk, TILE)
     if n < _BLOCK:
         length = 1 << max(n - 1, 0).bit_length()  # one partial block: pad to a power of two
     else:
         length = min(tile, -(-n // _BLOCK) * _BLOCK)
     n_blocks = -(-n // _BLOCK) if n >= _BLOCK else 1
     f64 = torch.float64
-    w = torch.empty(_ROWS, length, dtype=f64, device=dev)
-    tmp = torch.empty(_ROWS, max(length // 2, 1), dtype=f64, device=dev)
+    w = torch.empty(ROWS, length, dtype=f64, device=dev)
+    tmp = torch.empty(ROWS, max(length // 2, 1), dtype=f64, device=dev)
     buf = torch.empty(3, length, dtype=f64, device=dev)
-    block_sums = torch.zeros(_ROWS, n_blocks, dtype=f64, device=dev)
+    block_sums = torch.zeros(ROWS, n_blocks, dtype=f64, device=dev)
     # counts: fin, ulp_ok, nan_mm, inf_mm, outside, rel>1e-3, rel>5e-3, d!=0, d<0
     counts = torch.zeros(9, dtype=torch.int64, device=dev)
     host_counts = [0] * 9
     maxes = torch.zeros(5, dtype=f64, device=dev)
-    hist = _P99Histogram(dev, cap=chunk)
+    hist = P99Histogram(dev, cap=chunk)
     sp_scale, sp_floor = 2.0 ** -fmt.mant_bits, 2.0 ** (fmt.emin - fmt.mant_bits)
-    blk = 0
-    for i in range(0, n, tile):
+
+    def torch_tile(i: int) -> None:
         c = min(tile, n - i)
         lc = length if n < _BLOCK else -(-c // _BLOCK) * _BLOCK
         if lc > c:
@@ -525,16 +298,24 @@ def compare_tensors(
         else:
             a = ac if ac.dtype == f64 else buf[0, :c].copy_(ac)
             r = ec if ec.dtype == dt else round_to_dtype(ec, dt)
-            if _finite_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3,
-                            has_tol, tol_a, tol_r, counts, maxes, hist, buf[2, :c]):
+            if finite_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3,
+                           has_tol, tol_a, tol_r, counts, maxes, hist, buf[2, :c]):
                 host_counts[0] += c
                 host_counts[1] += c
             else:
-                _general_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3,
-                              has_tol, tol_a, tol_r, counts, maxes, hist)
-        nb = lc // min(lc, _BLOCK)
-        block_sums[:, blk : blk + nb] = _tree_sums(w, tmp, lc)
-        blk += nb
+                general_tile(w, ac, a, e, r, c, fmt, tiny, sp_scale, sp_floor, th3,
+                             has_tol, tol_a, tol_r, counts, maxes, hist)
+        blk = i // _BLOCK
+        block_sums[:, blk : blk + lc // min(lc, _BLOCK)] = tree_sums(w, tmp, lc)
+
+    starts = range(0, n, tile)
+    if not identical and tiles_kernel.usable(a_flat, e_flat, dev):
+        # the fused kernel takes the tiles it can (bit-identical); the rest come back here
+        params = (tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r, fmt.max_finite, lvl1, lvl5)
+        starts = [t * tile for t in tiles_kernel.run(a_flat, e_flat, n, tile, length, params,
+                                                     block_sums, counts, maxes, hist)]
+    for i in starts:
+        torch_tile(i)
 
     # One read-back at the end.
     if n:
@@ -542,7 +323,7 @@ def compare_tensors(
         if n < _BLOCK:
             sums = [s + 0.0 for s in sums]  # the 4096-tree adds +0 above a short block
     else:
-        sums = [0.0] * _ROWS
+        sums = [0.0] * ROWS
     s_abs, s_e1, s_d2, s_e2, s_a2, s_ae, s_rel, s_ulp, s_ulperr = sums
     dev_counts = counts.tolist()
     (n_fin, n_ulp, n_nan, n_inf, n_out, n_r1, n_r5, n_diff, n_below) = [
@@ -555,7 +336,7 @@ def compare_tensors(
         mx_ulp = nan
         p99 = nan
     else:
-        p99 = hist.quantile(math.ceil(0.99 * n_ulp), lambda: _tile_distances(
+        p99 = hist.quantile(math.ceil(0.99 * n_ulp), lambda: tile_distances(
             a_flat, e_flat, dt, dev, tile))
     if n_fin == 0:
         cos = sqnr = nan

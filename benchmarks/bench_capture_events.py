@@ -1,0 +1,128 @@
+"""Per-event capture cost on a model of many tiny ops, and module-level capture on 12 blocks.
+
+    python benchmarks/bench_capture_events.py [--ops 2000] [--repeats 5] [--profile]
+
+Part 1: a forward of ``--ops`` elementwise ops on 64-element float32 tensors (no module
+boundaries inside), plain vs op-level statistics capture into a dump; the capture session is
+entered and closed inside the timed block. Prints microseconds per recorded op event:
+(captured - plain) / events. Part 2: the 12-block example transformer, forward + backward,
+plain vs module-level statistics capture: the ratio. Plain and captured runs are interleaved.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import precisiondiff.capture as cap_mod  # noqa: E402
+
+
+class TinyOps(nn.Module):
+    """``ops`` elementwise ops on a 64-element tensor, one module."""
+
+    def __init__(self, ops: int) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.ops // 2):
+            x = torch.sin(x)
+            x = x * 1.0001
+        return x
+
+
+def _median_pair(plain_fn, captured_fn, repeats: int):
+    plain, captured = [], []
+    for rep in range(repeats + 1):
+        t0 = time.perf_counter()
+        plain_fn()
+        t1 = time.perf_counter()
+        captured_fn(rep)
+        t2 = time.perf_counter()
+        if rep:
+            plain.append(t1 - t0)
+            captured.append(t2 - t1)
+    return statistics.median(plain), statistics.median(captured)
+
+
+def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool, memory: bool = False) -> None:
+    model = TinyOps(ops)
+    x = torch.randn(64)
+    events = [0]
+
+    def captured(rep):
+        sink = cap_mod.MemorySink() if memory else None
+        with cap_mod.capture(os.path.join(tmp, f"ops{rep}"), model=model, level="op", mode="stats",
+                             overwrite=True, sink=sink) as cap:
+            with torch.no_grad():
+                model(x)
+        events[0] = cap.recorder.events_written
+
+    def plain():
+        with torch.no_grad():
+            model(x)
+
+    if profile:
+        import cProfile
+        import pstats
+        captured(98)  # imports and caches first
+        prof = cProfile.Profile()
+        prof.enable()
+        captured(99)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    p, c = _median_pair(plain, captured, repeats)
+    per = (c - p) / max(events[0], 1) * 1e6
+    where = "into memory" if memory else "into a dump"
+    print(f"tiny ops ({where}): {ops} ops x 64 elements, {events[0]} events: plain {p * 1e3:.2f} ms, "
+          f"op/stats capture {c * 1e3:.2f} ms, {per:.1f} us per recorded op event (goal <= 10)")
+
+
+def twelve_blocks(repeats: int, tmp: str) -> None:
+    from precisiondiff.runtime.targets import Target
+    from precisiondiff.runtime.workload import load_workload, run_workload
+    target = Target.parse("cpu/bf16")
+    workload = load_workload("examples/tiny_transformer.py:build_12_layers")
+    model = target.prepare_model(workload.model).eval()
+    inputs = target.prepare_inputs(workload.inputs)
+
+    def step():
+        run_workload(workload, target, model=model, inputs=inputs)
+        model.zero_grad(set_to_none=True)
+
+    def captured(rep):
+        with cap_mod.capture(os.path.join(tmp, f"mod{rep}"), model=model, level="module", mode="stats",
+                             overwrite=True):
+            step()
+
+    step()
+    p, c = _median_pair(step, captured, repeats)
+    print(f"12 blocks: plain step {p * 1e3:.2f} ms, module/stats capture {c * 1e3:.2f} ms, "
+          f"ratio {c / p:.2f} (goal <= 1.5)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of one captured run")
+    parser.add_argument("--only", choices=("ops", "blocks"), default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.only in (None, "ops"):
+            tiny_ops(args.ops, args.repeats, tmp, args.profile)
+            tiny_ops(args.ops, args.repeats, tmp, False, memory=True)
+        if args.only in (None, "blocks"):
+            twelve_blocks(args.repeats, tmp)
+
+
+if __name__ == "__main__":
+    main()

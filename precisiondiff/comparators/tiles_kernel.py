@@ -1,0 +1,128 @@
+"""The compare tile as one fused pass, compiled with numba (optional): bfloat16 or float32
+``actual`` against float64 ``expected``, the pairs a precision comparison mostly sees.
+
+It computes exactly what :func:`precisiondiff.comparators.tiles.finite_tile` computes with
+PyTorch, bit for bit: the same IEEE float64 operations per element (no fast-math, no fused
+multiply-add), the same fixed pairwise tree over each 4096-element block, the same
+correctly rounded ``expected`` (float64 -> float32 rounded to odd, then to bfloat16 to
+nearest even: one rounding), integer ULP distances and the same counts and maxima. A tile it
+cannot take (a NaN or infinity, ``|expected|`` above the format's largest value, a float32
+ULP distance of 2**16 or more) is left untouched and reported, for the PyTorch path.
+
+The kernel releases the GIL: :func:`compare_range` runs on several threads over disjoint
+ranges of tiles.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+
+__all__ = ["AVAILABLE", "compare_range", "BF16", "F32"]
+
+#: whether the fused kernel can be used (numba installed and not disabled by PRECISIONDIFF_NO_NUMBA)
+AVAILABLE = importlib.util.find_spec("numba") is not None and not os.environ.get("PRECISIONDIFF_NO_NUMBA")
+BF16, F32 = 0, 1
+_jit = None
+
+
+def _kernels():
+    """The compiled kernels, imported on first use; None (and AVAILABLE False) when that fails."""
+    global _jit, AVAILABLE
+    if _jit is None and AVAILABLE:
+        try:
+            from . import _tiles_jit
+        except Exception:  # noqa: BLE001 - a broken numba install: the PyTorch path
+            AVAILABLE = False
+            return None
+        _jit = _tiles_jit
+    return _jit
+
+
+def compare_range(kind: int, a: np.ndarray, lut: np.ndarray, e: np.ndarray, n: int, tile: int,
+                  t0: int, t1: int, length: int, params: tuple, block_sums: np.ndarray,
+                  counts: np.ndarray, maxes: np.ndarray, hist: np.ndarray) -> tuple:
+    """Run tiles ``t0 .. t1 - 1``; return (tiles left for the PyTorch path, ULP distances
+    >= 2**16 of the tiles done, as an int64 array).
+
+    Args:
+        kind: :data:`BF16` (``a`` holds the int16 bit patterns, ``lut`` their float32 values)
+            or :data:`F32` (``a`` float32).
+        a, e: the flat actual and float64 expected arrays (the whole tensors).
+        n, tile, length: element count, tile size, padded length of a short tensor.
+        params: ``(tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r, max_finite, lvl1,
+            lvl5)``.
+        block_sums: float64 ``(9, blocks)``, written at the tiles' blocks.
+        counts: int64 ``(9,)``, maxes: float64 ``(5,)``, hist: int64 ``(65536,)``: accumulated.
+    """
+    failed = np.empty(max(t1 - t0, 1), dtype=np.int64)
+    bigs = np.empty(min(max(t1 - t0, 1) * tile, _MAX_BIG), dtype=np.int64)
+    out = np.zeros(2, dtype=np.int64)
+    empty16 = np.empty(0, dtype=np.int16)
+    empty32 = np.empty(0, dtype=np.float32)
+    a16, a32 = (a, empty32) if kind == BF16 else (empty16, a)
+    _kernels()._tiles(kind, a16, lut, a32, e, n, tile, t0, t1, length, *params, block_sums, counts,
+                      maxes, hist, bigs, failed, out)
+    return failed[: out[0]].tolist(), bigs[: out[1]]
+
+
+_MAX_BIG = 1 << 20  # large ULP distances kept per thread; past it, tiles go to the PyTorch path
+_MIN_PER_THREAD = 1 << 20  # elements: below this one thread (starting threads costs ~0.1 ms)
+_LUT: "np.ndarray | None" = None
+
+
+def usable(actual: "torch.Tensor", expected: "torch.Tensor", device: "torch.device") -> bool:
+    """Whether :func:`run` takes this pair: numba present, CPU, bfloat16 or float32 actual,
+    float64 expected, both flat and contiguous."""
+    import torch
+    return (AVAILABLE and _kernels() is not None and device.type == "cpu" and actual.device.type == "cpu"
+            and expected.device.type == "cpu" and actual.dtype in (torch.bfloat16, torch.float32)
+            and expected.dtype == torch.float64 and actual.is_contiguous() and expected.is_contiguous()
+            and not actual.requires_grad and not expected.requires_grad)
+
+
+def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, length: int,
+        params: tuple, block_sums: "torch.Tensor", counts: "torch.Tensor", maxes: "torch.Tensor",
+        hist: object) -> list:
+    """Every tile of the pair on ``torch.get_num_threads()`` threads; accumulates into the
+    PyTorch accumulators (``block_sums``, ``counts``, ``maxes`` CPU tensors and the
+    :class:`~precisiondiff.comparators.tiles.P99Histogram`); returns the indices of the tiles
+    left for the PyTorch path."""
+    import torch
+    global _LUT
+    if actual.dtype == torch.bfloat16:
+        if _LUT is None:
+            _LUT = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().numpy()
+        kind, a, lut = BF16, actual.view(torch.int16).numpy(), _LUT
+    else:
+        kind, a, lut = F32, actual.numpy(), np.empty(0, dtype=np.float32)
+    e = expected.numpy()
+    tiles = -(-n // tile)
+    threads = max(1, min(torch.get_num_threads(), n // _MIN_PER_THREAD, tiles))
+    bounds = [tiles * k // threads for k in range(threads + 1)]
+    sums = block_sums.numpy()
+    parts = [(np.zeros(9, dtype=np.int64), np.zeros(5), np.zeros(1 << 16, dtype=np.int64))
+             for _ in range(threads)]
+
+    def work(k: int) -> tuple:
+        c, m, h = parts[k]
+        return compare_range(kind, a, lut, e, n, tile, bounds[k], bounds[k + 1], length, params,
+                             sums, c, m, h)
+
+    if threads == 1:
+        results = [work(0)]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(work, range(threads)))
+    failed = []
+    for (c, m, h), (tiles_left, bigs) in zip(parts, results):
+        counts += torch.from_numpy(c)
+        torch.maximum(maxes, torch.from_numpy(m), out=maxes)
+        if h.any():
+            hist.add_counts(torch.from_numpy(h))
+        if bigs.size:
+            hist.add(torch.from_numpy(bigs))
+        failed.extend(tiles_left)
+    return failed

@@ -1,0 +1,102 @@
+"""Statistics: the fused CPU kernel (numba) and the eager PyTorch path give the same numbers."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from precisiondiff.capture import stats_kernel
+from precisiondiff.capture.stats import StatsBatch
+from precisiondiff.store import fingerprint
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+SPECIALS = [math.nan, math.inf, -math.inf, -0.0, 0.0, 3e38, -6e4, 1e-40]
+
+
+def _both(t: torch.Tensor):
+    fast, eager = StatsBatch(), StatsBatch(fast=False)
+    hf, he = fast.add(t), eager.add(t)
+    fast.resolve()
+    eager.resolve()
+    return fast.get(hf), eager.get(he)
+
+
+def _assert_same(f: dict, e: dict, n: int) -> None:
+    if n == 0:
+        assert f == e
+        return
+    assert f["fingerprint"] == e["fingerprint"]
+    assert (f["nan"], f["inf"]) == (e["nan"], e["inf"])
+    for k in ("min", "max"):  # exact: -0.0 == 0.0 (which zero aminmax returns is unspecified)
+        assert f[k] == e[k] or (math.isnan(f[k]) and math.isnan(e[k])), k
+    # float64 sums in another order: each differs by at most n ulps of the sum of magnitudes
+    bound = n * 2.3e-16
+    for k in ("abs_mean", "norm"):
+        assert f[k] == pytest.approx(e[k], rel=bound, abs=1e-300, nan_ok=True), k
+    scale = e["abs_mean"] if math.isfinite(e["abs_mean"]) else 0.0
+    assert f["mean"] == pytest.approx(e["mean"], rel=bound, abs=bound * scale + 1e-300, nan_ok=True)
+
+
+def test_the_fast_path_is_there():
+    """The test extra installs numba: this suite runs both paths."""
+    assert stats_kernel.AVAILABLE
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(0, 9), min_size=0, max_size=3),
+       seed=st.integers(0, 2**31), specials=st.lists(st.sampled_from(SPECIALS), max_size=4),
+       layout=st.sampled_from(["contiguous", "transposed", "strided"]))
+def test_fused_equals_eager(dtype, shape, seed, specials, layout):
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(*shape, 2, generator=g, dtype=torch.float64) * 100).to(dtype)
+    flat = t.view(-1)
+    for i, v in enumerate(specials[: flat.numel()]):
+        flat[(i * 7919 + seed) % flat.numel()] = v
+    if layout == "transposed":
+        t = t.transpose(0, -1)
+    elif layout == "strided":
+        t = t.reshape(-1)[::2]
+    f, e = _both(t)
+    _assert_same(f, e, t.numel())
+    assert f["fingerprint"] == fingerprint(t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_equals_eager_over_several_fingerprint_periods(dtype):
+    """Large tensors: 3.5 periods of 65536 elements, a NaN-free and a NaN-holding one."""
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(229_376, generator=g, dtype=torch.float64).to(dtype)
+    f, e = _both(t)
+    _assert_same(f, e, t.numel())
+    t[100_000] = math.inf
+    f, e = _both(t)
+    _assert_same(f, e, t.numel())
+    assert f["inf"] == 1 and f["max"] == math.inf
+    t[200_000] = math.nan
+    f, e = _both(t)
+    _assert_same(f, e, t.numel())
+    assert math.isnan(f["min"]) and math.isnan(f["max"])
+
+
+def test_fast_path_is_taken_at_once_and_needs_no_snapshot():
+    batch = StatsBatch()
+    t = torch.ones(4)
+    h = batch.add(t)
+    t.mul_(5)
+    assert batch.get(h)["mean"] == 1.0 and batch.pending_elements == 0
+
+
+def test_empty_and_unsupported_dtypes_use_the_eager_path():
+    for t in (torch.zeros(0), torch.arange(5), torch.tensor([True, False]),
+              torch.ones(3, dtype=torch.complex64), torch.ones(3).to(torch.float8_e4m3fn)):
+        f, e = _both(t)
+        assert f == e
+
+
+def test_a_negative_view_takes_the_eager_path():
+    t = torch._neg_view(torch.tensor([1.0, -3.0, 2.0]))  # no NumPy view of a negative-bit tensor
+    f, e = _both(t)
+    assert f == e and f["min"] == -2.0 and f["max"] == 3.0
