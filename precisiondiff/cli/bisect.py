@@ -50,7 +50,9 @@ def _progress():
 @click.option("--noise", is_flag=True, default=False,
               help="live: run the DUT twice; a nondeterministic op within 2x its run-to-run difference "
                    "is not a culprit")
-def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets, noise) -> None:
+@click.option("--card", "card_path", type=click.Path(dir_okay=False), default=None,
+              help="a numerics card of the DUT (precisiondiff probe -o CARD.json): explain the culprit by it")
+def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets, noise, card_path) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, or DUT_DUMP [REF_DUMP])."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.render import summary_lines
@@ -69,6 +71,10 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
     if offline and noise:
         raise BisectError("--noise applies to live bisect (it reruns the workload); for dumps, capture the DUT "
                           "twice and use precisiondiff compare --noise")
+    card = None
+    if card_path is not None:
+        from ..probe.card import load_card
+        card = load_card(card_path)
     with _progress() as progress:
         if offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
@@ -76,7 +82,13 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise)
+    if card is not None and result.culprit:
+        from ..probe.explain import explain_culprit
+        sentence = explain_culprit(card, result.culprit, result.dut.split("/")[-1].split("+")[0])
+        result.culprit["card"] = sentence or f"the card of {card.target} does not measure {result.culprit.get('name')}"
     text = result.dumps() if fmt == "json" else "\n".join(summary_lines(result))
+    if card is not None and result.culprit and fmt != "json":
+        text += f"\ndevice card: {result.culprit['card']}"
     if out:  # like compare -o: the file only, and a line on stderr saying where it went
         try:
             with open(out, "w", encoding="utf-8") as fh:

@@ -17,7 +17,7 @@ import torch
 from ..runtime.targets import dtype_name, parse_dtype
 from .card import Card
 
-__all__ = ["explain", "summation_depth"]
+__all__ = ["explain", "explain_culprit", "family_of_op", "summation_depth"]
 
 
 def summation_depth(order: Optional[str], k: int) -> int:
@@ -79,3 +79,37 @@ def explain(card: Card, op_family: str, dtype: "str | torch.dtype", k: int) -> s
     if card.get(op_family, "batch_invariant", True) is False:
         sentence += "; a row's result depends on the batch it is computed in"
     return sentence
+
+
+# ATen op (overload packet) -> the card's family that measures its accumulator
+_FAMILY_OF_ATEN = {
+    "mm": "gemm", "addmm": "gemm", "matmul": "gemm", "linear": "gemm", "_addmm_activation": "gemm",
+    "bmm": "bmm", "baddbmm": "bmm",
+    "convolution": "conv", "_convolution": "conv", "conv2d": "conv", "conv1d": "conv", "conv3d": "conv",
+    "sum": "sum", "mean": "mean", "cumsum": "cumsum", "index_add": "index_add", "index_add_": "index_add",
+    "embedding_dense_backward": "embedding_bwd", "_softmax": "softmax", "softmax": "softmax",
+    "native_layer_norm": "layer_norm", "_fused_rms_norm": "rms_norm",
+}
+
+
+def family_of_op(name: str, card: Optional[Card] = None) -> Optional[str]:
+    """The card family measuring op ``name`` (``aten.addmm.default`` -> ``gemm``): a custom op
+    registered on the card under its own name is its own family; None when none measures it."""
+    if card is not None and card.get(name, "accumulator_bits", None) is not None:
+        return name
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[0] == "aten":
+        return _FAMILY_OF_ATEN.get(parts[1])
+    return None
+
+
+def explain_culprit(card: Card, culprit: dict, dtype: "str | torch.dtype") -> Optional[str]:
+    """:func:`explain` for a bisect culprit (its op name and the K its budget records), or None
+    when the culprit is not an op the card measures."""
+    if not culprit or culprit.get("kind") != "op":
+        return None
+    family = family_of_op(str(culprit.get("name", "")), card)
+    k = (culprit.get("budget") or {}).get("k")
+    if family is None or not isinstance(k, int) or k < 1:
+        return None
+    return explain(card, family, dtype, k)
