@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from .stats import stat_value
+
 __all__ = ["fill_mask", "fill_note", "rest_metrics", "constant_fill_note"]
 
 
@@ -120,8 +122,8 @@ def constant_fill_note(stats_a: Mapping[str, Any], stats_b: Mapping[str, Any], d
         return None
     sides = []
     for stats, dtype in ((stats_a, da), (stats_b, db)):
-        lo, hi = _number(stats.get("min")), _number(stats.get("max"))
-        if lo is None or hi is None or _number(stats.get("nan")) != _number(stats_b.get("nan")):
+        lo, hi = stat_value(stats.get("min")), stat_value(stats.get("max"))
+        if lo is None or hi is None or stat_value(stats.get("nan")) != stat_value(stats_b.get("nan")):
             return None
         fill = lambda v: math.isinf(v) or abs(v) >= _limit(dtype)  # noqa: E731
         sides.append(((fill(lo) and lo < 0), (fill(hi) and hi > 0), lo, hi))
@@ -134,12 +136,3 @@ def constant_fill_note(stats_a: Mapping[str, Any], stats_b: Mapping[str, Any], d
                 "tensors); equivalent by design")
     return (f"dtype fill constants: {_name(va, da)} in A vs {_name(vb, db)} in B dominate the "
             "statistics; the other elements are not judged in stats mode (capture --mode tensors)")
-
-
-def _number(v: Any) -> Optional[float]:
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["STATS_RTOL", "compare_stats", "judge_stats", "stats_error", "run_dtype"]
+__all__ = ["STATS_RTOL", "compare_stats", "judge_stats", "stats_error", "run_dtype", "stat_value"]
 
 # dtype -> largest relative difference of a statistic (16 x unit roundoff, floored for the
 # wide formats where differences accumulated through a network dominate rounding):
@@ -40,7 +40,11 @@ _REL = ("rel_norm", "rel_abs_mean", "rel_mean", "rel_min", "rel_max")
 
 
 def _f(stats: Mapping[str, Any], name: str) -> Optional[float]:
-    v = stats.get(name)
+    return stat_value(stats.get(name))
+
+
+def stat_value(v: Any) -> Optional[float]:
+    """A statistic read from a dump as a float; None when absent or not a number."""
     if isinstance(v, bool) or v is None:
         return None
     try:
