@@ -201,6 +201,14 @@ def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
         names = sorted({f"{n['name']} ({n['reason']})" for n in not_judged})
         notes.append(f"{len(not_judged)} collective call(s) not judged: " + "; ".join(names[:3])
                      + (" ..." if len(names) > 3 else ""))
+    notes.append("modules not replayed (a module of a parallel job calls collectives): each rank's ops and the "
+                 "collectives are judged from the dumps")
+    unjudged = sorted({n for res in per_rank.values() for n in res.unreplayable})
+    if unjudged:
+        notes.insert(0, f"WARNING: {len(unjudged)} op(s) could not be judged on the reference: "
+                        f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''} (an op not registered in "
+                        "this process: pass --workload with the module that defines it; or register a reference "
+                        "with precisiondiff.register_reference)")
     finals = [res.final_error for res in per_rank.values() if res.confirmation.get("final_error_before") is not None]
     final_error = max(finals) if finals else 0.0
     if culprit is not None:
@@ -241,7 +249,8 @@ def _merged_notes(per_rank: Dict[int, BisectResult]) -> List[str]:
     seen: Dict[str, List[int]] = {}
     for rank, res in per_rank.items():
         for n in res.notes:
-            seen.setdefault(n, []).append(rank)
+            if not n.startswith("modules not replayed"):  # said once, for the job (below)
+                seen.setdefault(n, []).append(rank)
     return [n if len(rs) == len(per_rank) else f"(rank {', '.join(map(str, rs))}) {n}" for n, rs in seen.items()]
 
 
