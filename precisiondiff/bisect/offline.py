@@ -79,7 +79,8 @@ def _check_same_model(meta_a: Dict[str, Any], meta_b: Dict[str, Any], events_a: 
 def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *, ref: "str | Target" = "cpu/float64",
                 workload: "str | Callable[[], Any] | None" = None, direction: Optional[str] = None,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
-                max_candidates: int = 3, exclude: Optional[Callable[[UnitEvent], bool]] = None) -> BisectResult:
+                max_candidates: int = 3,
+                prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -93,7 +94,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         budgets: op budget overrides (see :func:`precisiondiff.bisect.bisect`).
         progress: called as ``progress(done, total, label)``.
         max_candidates: offending units to report after the culprit.
-        exclude: events to leave out of the search (multi-rank bisect judges collectives itself).
+        prepare: maps the dump's events to those searched (multi-rank bisect leaves collectives
+            out and adapts DTensor op calls: :mod:`precisiondiff.bisect.ranks`).
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -120,8 +122,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     events = events_from_dump(dump)
-    if exclude is not None:
-        events = [e for e in events if not exclude(e)]
+    if prepare is not None:
+        events = prepare(events)
     notes: List[str] = []
     modules: Dict[str, torch.nn.Module] = {}
     wl = None

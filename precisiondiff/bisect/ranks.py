@@ -28,9 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import BisectError, PrecisionDiffError
 from ..store.reader import iter_index
-from .collectives import CollectiveUnit, CollectiveVerdict, collect_units, is_collective_op, judge_collective
+from .collectives import CollectiveUnit, CollectiveVerdict, collect_units, judge_collective
 from .offline import bisect_dump
 from .result import BisectResult, _clean
+from .shards import placements_of, prepare_events
 
 __all__ = ["RanksBisectResult", "bisect_ranks", "is_multi_rank", "ranks_summary_lines"]
 
@@ -146,6 +147,7 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
         raise BisectError(f"{run_dir}: {err}") from err
     paths = {r: d.path for r, d in sorted(dump.ranks.items())}
     per_rank: Dict[int, BisectResult] = {}
+    left_out: Dict[int, List[Dict[str, Any]]] = {}
     for rank, path in paths.items():
         def prog(done: int, total: int, label: str, _r: int = rank) -> None:
             if progress is not None:
@@ -153,12 +155,19 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
         try:
             per_rank[rank] = bisect_dump(path, ref=ref, direction=direction, budgets=budgets, progress=prog,
                                          max_candidates=max_candidates,
-                                         exclude=lambda e: is_collective_op(e.name))
+                                         prepare=prepare_events(placements_of(path), left_out.setdefault(rank, [])))
         except BisectError as err:
             raise BisectError(f"rank {rank}: {err}") from err
     units = collect_units(paths, direction=direction)
     verdicts = [(u, judge_collective(u, lambda r, key: dump.ranks[r].tensor(key))) for u in units]
-    return _merge(per_rank, paths, verdicts, max_candidates, time.perf_counter() - started)
+    result = _merge(per_rank, paths, verdicts, max_candidates, time.perf_counter() - started)
+    shards = sorted({(u["scope"], u["name"], u["reason"]) for units in left_out.values() for u in units})
+    if shards:
+        result.notes.append(f"{sum(map(len, left_out.values()))} DTensor op call(s) not judged: "
+                            + "; ".join(f"{n} in {s or '<root>'} ({why})" for s, n, why in shards[:3])
+                            + (" ..." if len(shards) > 3 else ""))
+    result.cost["dtensor_ops_not_judged"] = sum(map(len, left_out.values()))
+    return result
 
 
 def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],

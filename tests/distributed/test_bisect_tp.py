@@ -1,8 +1,8 @@
 """Bisect of a real 2-rank tensor-parallel job (gloo on 127.0.0.1, torch.multiprocessing.spawn).
 
-One job captures three scenarios of the Megatron-style TP MLP of workers_tp_bisect.py in replay
-mode: clean, a planted GEMM wrong on rank 1 only, and a planted all-reduce that sums the ranks'
-float32 partial sums in bf16. Every fault is planted (a custom op, a replaced collective kernel);
+One job captures the scenarios of workers_tp_bisect.py in replay mode: the Megatron-style TP MLP
+clean, with a planted GEMM wrong on rank 1 only, and with a planted all-reduce that sums the
+ranks' float32 partial sums in bf16; and a clean DTensor MLP (parallelize_module). Every fault is planted (a custom op, a replaced collective kernel);
 nothing here pins a stock kernel's rounding. The collective judge itself is checked on synthetic
 units with hypothesis.
 """
@@ -81,6 +81,16 @@ def test_the_clean_job_is_at_parity(job):
     names = {p["name"] for p in r.collectives["passed"]}
     assert names == {ALL_REDUCE, "c10d.allreduce_.default"} and not r.collectives["not_judged"]
     assert r.unreplayable == []  # every op of both ranks was judged
+
+
+def test_a_dtensor_tp_job_is_judged_on_its_local_shards(job):
+    """parallelize_module: the row-parallel addmm ran on its replicated bias divided by the mesh
+    size (Replicate -> Partial); replayed the same way, every op call is judged and passes."""
+    r = bisect_ranks(job / "dtensor")
+    assert r.verdict == "parity", (r.culprit, r.notes)
+    assert r.cost["dtensor_ops_not_judged"] == 0 and r.unreplayable == []
+    assert {p["direction"] for p in r.collectives["passed"]} == {"forward", "backward"}
+    assert r.ranks[0]["verdict"] == r.ranks[1]["verdict"] == "parity"
 
 
 def test_cli_names_the_rank_of_a_kernel(job, tmp_path):

@@ -13,7 +13,8 @@ Planted faults (never a stock kernel's behaviour):
   gathers the ranks' float32 inputs and sums them in bf16 (a collective library accumulating in
   bf16), installed on every rank.
 
-Each scenario is captured (``mode="replay"``) into ``out/NAME`` (``rank0/``, ``rank1/``).
+Each scenario is captured (``mode="replay"``) into ``out/NAME`` (``rank0/``, ``rank1/``); ``dtensor``
+is a clean MLP tensor-parallel through ``parallelize_module`` (DTensor).
 """
 from __future__ import annotations
 
@@ -152,13 +153,29 @@ def step(out: str, rank: int, world: int) -> None:
         cap.step()
 
 
-SCENARIOS = ("clean", "kernel", "collective")
+def step_dtensor(out: str, rank: int, world: int) -> None:
+    """The same kind of MLP through ``parallelize_module`` (DTensor, ColwiseParallel then
+    RowwiseParallel): the row-parallel ``addmm`` adds its replicated bias to a partial sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(torch.bfloat16)
+    parallelize_module(model, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with precisiondiff.capture(out, model=model, mode="replay") as cap:
+        model(x).float().square().mean().backward()
+        cap.step()
+
+
+SCENARIOS = ("clean", "kernel", "collective", "dtensor")
 
 
 def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> None:
     """torch.multiprocessing.spawn entry: one gloo group on 127.0.0.1, each scenario captured into
     ``out/NAME``: ``clean``; ``kernel``: the GEMM faulty on rank 1 only; ``collective``: the
-    all-reduce sums in bf16."""
+    all-reduce sums in bf16; ``dtensor``: the clean ``parallelize_module`` MLP."""
     global SLOPPY_GEMM
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -168,7 +185,7 @@ def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> N
             SLOPPY_GEMM = name == "kernel" and rank == 1
             lib = plant_bf16_all_reduce() if name == "collective" else None
             try:
-                step(os.path.join(out, name), rank, world)
+                (step_dtensor if name == "dtensor" else step)(os.path.join(out, name), rank, world)
             finally:
                 SLOPPY_GEMM = False
                 if lib is not None:
