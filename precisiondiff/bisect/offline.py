@@ -63,6 +63,23 @@ def _open(path: Any, what: str) -> Any:
     return dump
 
 
+def _dut_target(meta: Dict[str, Any], dump: Any) -> str:
+    """The dump's target; a ``--script`` capture (target ``script``) places its model itself: then
+    its device and most frequent floating dtype of op outputs."""
+    target = meta.get("target") or "cpu/bf16"
+    if target != "script":
+        return target
+    counts: Dict[str, int] = {}
+    device = "cpu"
+    for ev in dump.events(kind="op"):
+        device = (ev.device or device).split(":")[0]
+        for t in ev.tensors:
+            if t.slot.startswith("output.") and t.dtype in ("bfloat16", "float16", "float32", "float64"):
+                counts[t.dtype] = counts.get(t.dtype, 0) + 1
+    dtype = max(counts, key=lambda d: counts[d]) if counts else "bfloat16"
+    return f"{device}/{ {'bfloat16': 'bf16', 'float16': 'fp16', 'float32': 'fp32'}.get(dtype, dtype)}"
+
+
 def _check_same_model(meta_a: Dict[str, Any], meta_b: Dict[str, Any], events_a: list, events_b: list,
                       a: Any, b: Any) -> None:
     """Refuse a reference dump of another workload or model (it would be silently misaligned)."""
@@ -116,7 +133,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if meta.get("mode") != "replay":
         raise BisectError(f"{dut_dump} was captured in {meta.get('mode')!r} mode; bisect needs "
                           "`precisiondiff capture WORKLOAD --mode replay`")
-    dut = Target.parse(meta.get("target") or "cpu/bf16")
+    dut = Target.parse(_dut_target(meta, dump))
     ref_t = Target.parse(ref)
     ref_t.check_available()
     if ref_t.autocast:

@@ -93,13 +93,23 @@ def test_a_dtensor_tp_job_is_judged_on_its_local_shards(job):
     assert r.ranks[0]["verdict"] == r.ranks[1]["verdict"] == "parity"
 
 
-def test_cli_names_the_rank_of_a_kernel(job, tmp_path):
-    out = tmp_path / "kernel.json"
-    r = pd_cli("bisect", str(job / "kernel"), "--workload", WORKER, "--format", "json", "-o", str(out),
+def test_cli_names_the_rank_of_a_kernel_in_a_script_capture(job, tmp_path):
+    """``torchrun ... capture --script`` writes target ``script`` (the script places its model):
+    bisect reads the DUT dtype from the op outputs."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(job / "kernel", run)
+    for rank in (0, 1):
+        meta = json.loads((run / f"rank{rank}" / "meta.json").read_text())
+        (run / f"rank{rank}" / "meta.json").write_text(json.dumps(dict(meta, target="script")))
+    out = tmp_path / "bisect.json"
+    r = pd_cli("bisect", str(run), "--workload", WORKER, "--format", "json", "-o", str(out),
                env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 1, r.stdout + r.stderr
     report = json.loads(out.read_text())
-    assert report["culprit"]["name"] == GEMM and report["culprit"]["rank"] == 1
+    assert report["dut"] == "cpu/bf16"
+    c = report["culprit"]
+    assert (c["name"], c["scope"], c["direction"], c["rank"]) == (GEMM, "fc1", "forward", 1)
     assert report["ranks"]["0"]["verdict"] == "parity" and report["ranks"]["1"]["verdict"] == "kernel"
 
 
