@@ -1,7 +1,8 @@
 """Bisect: localize the op, fused kernel or module whose own arithmetic is wrong on the DUT.
 
 See docs/bisect.md. :func:`bisect` runs a workload live; :func:`bisect_dump` works from a dump
-captured with ``--mode replay``, :func:`bisect_ranks` from the per-rank dumps of a multi-rank job; :func:`register_reference` gives ops without a golden-dtype
+captured with ``--mode replay``, :func:`bisect_ranks` from the per-rank dumps of a multi-rank job
+(docs/distributed.md); :func:`register_reference` gives ops without a golden-dtype
 implementation a reference.
 
 Stage 4. May import runtime/, capture/, store/, comparators/ and compare/; never the faces.
