@@ -113,7 +113,7 @@ def _collective_json(unit: CollectiveUnit, verdict: CollectiveVerdict) -> Dict[s
 def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: Any = None,
                  direction: Optional[str] = None, budgets: Any = None,
                  progress: Optional[Callable[[int, int, str], None]] = None,
-                 max_candidates: int = 3) -> RanksBisectResult:
+                 max_candidates: int = 3, across_processes: bool = False) -> Optional[RanksBisectResult]:
     """Bisect a multi-rank job from its per-rank ``--mode replay`` dumps (module docstring).
 
     Args:
@@ -124,10 +124,14 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
         budgets: op budget overrides (see :func:`precisiondiff.bisect.bisect`).
         progress: called as ``progress(done, total, label)`` (per rank, labels prefixed).
         max_candidates: offending units reported after the culprit.
+        across_processes: run under ``torchrun``: process ``i`` of ``W`` bisects ranks ``i,
+            i+W, ...`` and process 0 gathers the verdicts (gloo, from torchrun's environment),
+            judges the collectives from the dumps it can read and returns the result.
 
     Returns:
         A :class:`RanksBisectResult`: ``culprit["rank"]`` names the rank; a wrong collective is
-        ``kind: "collective"`` with the ranks whose output is wrong and its group.
+        ``kind: "collective"`` with the ranks whose output is wrong and its group. None on a
+        process other than 0 with ``across_processes``.
 
     Raises:
         BisectError: not a multi-rank dump, a rank not captured in replay mode.
@@ -146,18 +150,23 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
     except PrecisionDiffError as err:
         raise BisectError(f"{run_dir}: {err}") from err
     paths = {r: d.path for r, d in sorted(dump.ranks.items())}
-    per_rank: Dict[int, BisectResult] = {}
-    left_out: Dict[int, List[Dict[str, Any]]] = {}
-    for rank, path in paths.items():
-        def prog(done: int, total: int, label: str, _r: int = rank) -> None:
+    def one(rank: int) -> Tuple[BisectResult, List[Dict[str, Any]]]:
+        def prog(done: int, total: int, label: str) -> None:
             if progress is not None:
-                progress(done, total, f"rank {_r}: {label}")
+                progress(done, total, f"rank {rank}: {label}")
+        left: List[Dict[str, Any]] = []
         try:
-            per_rank[rank] = bisect_dump(path, ref=ref, direction=direction, budgets=budgets, progress=prog,
-                                         max_candidates=max_candidates,
-                                         prepare=prepare_events(placements_of(path), left_out.setdefault(rank, [])))
+            res = bisect_dump(paths[rank], ref=ref, direction=direction, budgets=budgets, progress=prog,
+                              max_candidates=max_candidates, prepare=prepare_events(placements_of(paths[rank]), left))
         except BisectError as err:
             raise BisectError(f"rank {rank}: {err}") from err
+        return res, left
+
+    done = _across_processes(one, list(paths)) if across_processes else {r: one(r) for r in paths}
+    if done is None:
+        return None
+    per_rank = {r: done[r][0] for r in sorted(done)}
+    left_out = {r: done[r][1] for r in sorted(done)}
     units = collect_units(paths, direction=direction)
     verdicts = [(u, judge_collective(u, lambda r, key: dump.ranks[r].tensor(key))) for u in units]
     result = _merge(per_rank, paths, verdicts, max_candidates, time.perf_counter() - started)
@@ -168,6 +177,35 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
                             + (" ..." if len(shards) > 3 else ""))
     result.cost["dtensor_ops_not_judged"] = sum(map(len, left_out.values()))
     return result
+
+
+def _across_processes(one: Callable[[int], Any], ranks: List[int]) -> Optional[Dict[int, Any]]:
+    """``one(rank)`` for ranks ``i, i+W...`` here (process ``i`` of ``W``), gathered on process 0
+    (what compare does under torchrun: precisiondiff/compare/parallel.py)."""
+    import torch.distributed as dist
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo")
+    try:
+        me, world = dist.get_rank(), dist.get_world_size()
+        error, mine = None, {}
+        try:
+            mine = {r: one(r) for i, r in enumerate(ranks) if i % world == me}
+        except BisectError as err:  # every process reaches the gather, so none waits forever
+            error = str(err)
+        gathered: Optional[list] = [None] * world if me == 0 else None
+        dist.gather_object((error, mine), gathered, dst=0)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    if gathered is None:
+        if error is not None:
+            raise BisectError(error)
+        return None
+    for err, _ in gathered:
+        if err is not None:
+            raise BisectError(err)
+    return {r: v for _, part in gathered for r, v in part.items()}
 
 
 def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],

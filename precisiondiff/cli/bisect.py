@@ -83,8 +83,11 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
         card = load_card(card_path)
     with _progress() as progress:
         if multi:
+            from ..compare.parallel import under_torchrun
             result = bisect_ranks(source, ref=ref, workload=workload, direction=direction,
-                                  budgets=list(budgets), progress=progress)
+                                  budgets=list(budgets), progress=progress, across_processes=under_torchrun())
+            if result is None:  # a torchrun process other than 0: its verdicts went to process 0
+                sys.exit(0)
         elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                  budgets=list(budgets), progress=progress)

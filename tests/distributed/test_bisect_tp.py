@@ -2,8 +2,8 @@
 
 One job captures the scenarios of workers_tp_bisect.py in replay mode: the Megatron-style TP MLP
 clean, with a planted GEMM wrong on rank 1 only, and with a planted all-reduce that sums the
-ranks' float32 partial sums in bf16; and a clean DTensor MLP (parallelize_module). Every fault is planted (a custom op, a replaced collective kernel);
-nothing here pins a stock kernel's rounding. The collective judge itself is checked on synthetic
+ranks' float32 partial sums in bf16; and a clean DTensor MLP (parallelize_module). Every fault
+is planted (a custom op, a replaced collective kernel); nothing here pins a stock kernel's rounding. The collective judge itself is checked on synthetic
 units with hypothesis.
 """
 from __future__ import annotations
@@ -176,3 +176,20 @@ def test_the_reduce_op_is_inferred_when_not_recorded_and_an_all_gather_must_be_e
     unit, load = _unit("c10d._allgather_base_.default", "all_gather", xs, [gathered, broken])
     v = judge_collective(unit, load)
     assert not v.passed and v.wrong_ranks == [1] and v.peer["mismatched"] == 1
+
+
+def test_under_torchrun_each_process_bisects_its_ranks_and_process_0_reports(job, tmp_path):
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "precisiondiff.cli", "bisect", str(job / "kernel"),
+           "--workload", WORKER, "--format", "json", "-o", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode != 0 and r.stderr.count("wrote") == 1, r.stderr[-2000:]  # exit 1: a culprit
+    merged = json.loads(out.read_text())
+    sequential = bisect_ranks(job / "kernel").to_json()
+    for field in ("verdict", "culprit", "ranks", "collectives", "candidates"):
+        assert merged[field] == sequential[field], field
