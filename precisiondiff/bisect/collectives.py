@@ -192,8 +192,11 @@ def _judge_exact(unit: CollectiveUnit, inputs: Dict[int, List[torch.Tensor]],
                  outputs: Dict[int, List[torch.Tensor]]) -> CollectiveVerdict:
     if unit.kind == "all_gather":
         expected = torch.cat([inputs[r][0].reshape(-1) for r in unit.ranks])
-    else:  # broadcast: the ranks' outputs must be one tensor (the source's)
+    else:  # broadcast: the root's input on every rank (the root is the rank whose input it is)
         expected = outputs[unit.ranks[0]][0].reshape(-1)
+        sent = [inputs[r][0].reshape(-1) for r in unit.ranks]
+        if not any(x.numel() == expected.numel() and torch.equal(x, expected) for x in sent):
+            expected = next((x for x in sent if x.numel() == expected.numel()), expected)
     wrong, worst = [], {"rule": "exact", "mismatched": 0, "numel": int(expected.numel())}
     for r in unit.ranks:
         got = torch.cat([t.reshape(-1) for t in outputs[r]])

@@ -193,3 +193,12 @@ def test_under_torchrun_each_process_bisects_its_ranks_and_process_0_reports(job
     sequential = bisect_ranks(job / "kernel").to_json()
     for field in ("verdict", "culprit", "ranks", "collectives", "candidates"):
         assert merged[field] == sequential[field], field
+
+
+def test_a_broadcast_must_deliver_the_roots_input():
+    root, other = torch.tensor([1.0, 2.0]), torch.tensor([5.0, 6.0])
+    unit, load = _unit("c10d.broadcast_.default", "broadcast", [root, other], [root, root])
+    assert judge_collective(unit, load).passed
+    unit, load = _unit("c10d.broadcast_.default", "broadcast", [root, other], [root * 1.5, root * 1.5])
+    v = judge_collective(unit, load)
+    assert not v.passed and v.wrong_ranks == [0, 1]
