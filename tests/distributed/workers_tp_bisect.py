@@ -28,6 +28,7 @@ from torch import nn
 import precisiondiff
 
 SLOPPY_GEMM = False  # set on the rank whose GEMM is faulty
+TP_GROUP = None  # the tensor-parallel process group (None: the whole world)
 
 
 @torch.library.custom_op("pdtest_tp::linear", mutates_args=())
@@ -64,7 +65,8 @@ def plant_bf16_all_reduce() -> torch.library.Library:
     import torch.distributed._functional_collectives as fc
 
     def bf16_all_reduce(x, reduce_op, group_name):
-        world = dist.get_world_size()
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        world = _resolve_process_group(group_name).size()
         parts = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), world, group_name)
         parts = torch.ops._c10d_functional.wait_tensor(parts).view(world, *x.shape)
         acc = parts[0].to(torch.bfloat16)
@@ -84,7 +86,7 @@ class _ReduceForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y):
         import torch.distributed._functional_collectives as fc
-        out = fc.all_reduce(y, "sum", dist.group.WORLD)
+        out = fc.all_reduce(y, "sum", TP_GROUP or dist.group.WORLD)
         return out.wait() if hasattr(out, "wait") else out
 
     @staticmethod
@@ -102,7 +104,7 @@ class _ReduceBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad)
+        dist.all_reduce(grad, group=TP_GROUP)
         return grad
 
 
@@ -169,13 +171,25 @@ def step_dtensor(out: str, rank: int, world: int) -> None:
         cap.step()
 
 
-SCENARIOS = ("clean", "kernel", "collective", "dtensor")
+def bisect_across(out: str, rank: int) -> None:
+    """Bisect the ``kernel`` dump with the ranks shared among the job's processes (what
+    ``torchrun ... bisect RUN_DIR`` does); each process writes what it got back."""
+    import json
+
+    from precisiondiff.bisect.ranks import bisect_ranks
+    result = bisect_ranks(os.path.join(out, "kernel"), across_processes=True)
+    with open(os.path.join(out, f"across-{rank}.json"), "w") as fh:
+        json.dump(None if result is None else result.to_json(), fh)
+
+
+SCENARIOS = ("clean", "kernel", "collective", "dtensor", "across")
 
 
 def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> None:
     """torch.multiprocessing.spawn entry: one gloo group on 127.0.0.1, each scenario captured into
     ``out/NAME``: ``clean``; ``kernel``: the GEMM faulty on rank 1 only; ``collective``: the
-    all-reduce sums in bf16; ``dtensor``: the clean ``parallelize_module`` MLP."""
+    all-reduce sums in bf16; ``dtensor``: the clean ``parallelize_module`` MLP; ``across``: bisect
+    ``kernel`` with the ranks shared among the processes."""
     global SLOPPY_GEMM
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -185,7 +199,10 @@ def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> N
             SLOPPY_GEMM = name == "kernel" and rank == 1
             lib = plant_bf16_all_reduce() if name == "collective" else None
             try:
-                (step_dtensor if name == "dtensor" else step)(os.path.join(out, name), rank, world)
+                if name == "across":
+                    bisect_across(out, rank)
+                else:
+                    (step_dtensor if name == "dtensor" else step)(os.path.join(out, name), rank, world)
             finally:
                 SLOPPY_GEMM = False
                 if lib is not None:
