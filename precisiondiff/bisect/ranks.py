@@ -150,6 +150,7 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
     except PrecisionDiffError as err:
         raise BisectError(f"{run_dir}: {err}") from err
     paths = {r: d.path for r, d in sorted(dump.ranks.items())}
+
     def one(rank: int) -> Tuple[BisectResult, List[Dict[str, Any]]]:
         def prog(done: int, total: int, label: str) -> None:
             if progress is not None:
@@ -212,13 +213,13 @@ def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
            verdicts: List[Tuple[CollectiveUnit, CollectiveVerdict]], max_candidates: int,
            wall_s: float) -> RanksBisectResult:
     """The ranks' verdicts and the collectives' as one result (module docstring, step 3)."""
-    offending: List[Tuple[Tuple[int, int, int], Dict[str, Any], Optional[int]]] = []
+    # (order key, unit json, (rank, whether it is that rank's own culprit) or None for a collective)
+    offending: List[Tuple[Tuple[int, int, int], Dict[str, Any], Optional[Tuple[int, bool]]]] = []
     for rank, res in per_rank.items():
         seqs = _seqs(paths[rank])
         for i, unit in enumerate(([res.culprit] if res.culprit else []) + list(res.candidates)):
             seq = seqs.get(_unit_key(unit), 1 << 60)
-            offending.append(((_ORDER.get(unit["direction"], 2), seq, rank), dict(unit, rank=rank),
-                              rank if i == 0 else None))
+            offending.append(((_ORDER.get(unit["direction"], 2), seq, rank), dict(unit, rank=rank), (rank, i == 0)))
     for unit, v in verdicts:
         if v.judged and not v.passed:
             first = min(v.wrong_ranks, key=lambda r: (unit.seq.get(r, 1 << 60), r))
@@ -230,9 +231,10 @@ def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
     notes = _merged_notes(per_rank)
     culprit = path = evidence = None
     if offending:
-        _, culprit, from_rank = offending[0]
-        if from_rank is not None:
-            path, evidence = per_rank[from_rank].path, per_rank[from_rank].evidence
+        _, culprit, origin = offending[0]
+        if origin is not None:
+            if origin[1]:  # the rank's own culprit: its path and evidence
+                path, evidence = per_rank[origin[0]].path, per_rank[origin[0]].evidence
             same = sorted(r for r, res in per_rank.items() if any(
                 _unit_key(u) == _unit_key(culprit) for u in ([res.culprit] if res.culprit else []) + res.candidates))
             culprit["found_on_ranks"] = same
@@ -254,8 +256,8 @@ def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
     if unjudged:
         notes.insert(0, f"WARNING: {len(unjudged)} op(s) could not be judged on the reference: "
                         f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''} (an op not registered in "
-                        "this process: pass --workload with the module that defines it; or register a reference "
-                        "with precisiondiff.register_reference)")
+                        "this process: pass --workload with the module that defines it; an op with no reference "
+                        "implementation: precisiondiff.register_reference)")
     finals = [res.final_error for res in per_rank.values() if res.confirmation.get("final_error_before") is not None]
     final_error = max(finals) if finals else 0.0
     if culprit is not None:
