@@ -63,6 +63,25 @@ def _open(path: Any, what: str) -> Any:
     return dump
 
 
+def _dut_target(meta: Dict[str, Any], dump: Any) -> str:
+    """The dump's target; a ``--script`` capture (target ``script``) places its model itself: then
+    its device and most frequent floating dtype of op outputs."""
+    target = meta.get("target") or "cpu/bf16"
+    if target != "script":
+        return target
+    counts: Dict[str, int] = {}
+    device = "cpu"
+    for i, ev in enumerate(dump.events(kind="op")):
+        if i >= 5000:  # enough to know
+            break
+        device = (ev.device or device).split(":")[0]
+        for t in ev.tensors:
+            if t.slot.startswith("output.") and t.dtype in ("bfloat16", "float16", "float32", "float64"):
+                counts[t.dtype] = counts.get(t.dtype, 0) + 1
+    dtype = max(counts, key=lambda d: counts[d]) if counts else "bfloat16"
+    return f"{device}/{ {'bfloat16': 'bf16', 'float16': 'fp16', 'float32': 'fp32'}.get(dtype, dtype)}"
+
+
 def _check_same_model(meta_a: Dict[str, Any], meta_b: Dict[str, Any], events_a: list, events_b: list,
                       a: Any, b: Any) -> None:
     """Refuse a reference dump of another workload or model (it would be silently misaligned)."""
@@ -79,7 +98,8 @@ def _check_same_model(meta_a: Dict[str, Any], meta_b: Dict[str, Any], events_a: 
 def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *, ref: "str | Target" = "cpu/float64",
                 workload: "str | Callable[[], Any] | None" = None, direction: Optional[str] = None,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
-                max_candidates: int = 3) -> BisectResult:
+                max_candidates: int = 3,
+                prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -93,6 +113,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         budgets: op budget overrides (see :func:`precisiondiff.bisect.bisect`).
         progress: called as ``progress(done, total, label)``.
         max_candidates: offending units to report after the culprit.
+        prepare: maps the dump's events to those searched (multi-rank bisect leaves collectives
+            out and adapts DTensor op calls: :mod:`precisiondiff.bisect.ranks`).
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -113,12 +135,14 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if meta.get("mode") != "replay":
         raise BisectError(f"{dut_dump} was captured in {meta.get('mode')!r} mode; bisect needs "
                           "`precisiondiff capture WORKLOAD --mode replay`")
-    dut = Target.parse(meta.get("target") or "cpu/bf16")
+    dut = Target.parse(_dut_target(meta, dump))
     ref_t = Target.parse(ref)
     ref_t.check_available()
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     events = events_from_dump(dump)
+    if prepare is not None:
+        events = prepare(events)
     notes: List[str] = []
     modules: Dict[str, torch.nn.Module] = {}
     wl = None

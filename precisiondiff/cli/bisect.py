@@ -44,7 +44,8 @@ def _progress():
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click_options(SEED)
-@click.option("--workload", default=None, help="offline: the workload that rebuilds the modules")
+@click.option("--workload", default=None, help="offline: the workload that rebuilds the modules (a multi-rank "
+              "dump: its module is only imported, for its custom ops)")
 @click.option("--budget", "budgets", multiple=True, metavar="[KEY:]FIELD=VALUE",
               help="op budget override (repeatable), e.g. --budget aten.mm:max_ulp=4")
 @click.option("--noise", is_flag=True, default=False,
@@ -55,9 +56,14 @@ def _progress():
 def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets, noise, card_path) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, or DUT_DUMP [REF_DUMP])."""
     from ..bisect import bisect as run_live, bisect_dump
+    from ..bisect.ranks import bisect_ranks, is_multi_rank, ranks_summary_lines
     from ..bisect.render import summary_lines
     from ..errors import PrecisionDiffError, BisectError
-    offline = os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json"))
+    multi = is_multi_rank(source)
+    offline = multi or (os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")))
+    if multi and ref_dump is not None:
+        raise BisectError(f"{source} holds several ranks: REF_DUMP is not supported for a multi-rank job yet "
+                          "(each rank's ops and the collectives are judged from the DUT's own inputs)")
     if not offline and ":" not in source:
         what = ("a directory without meta.json" if os.path.isdir(source) else
                 "a file" if os.path.exists(source) else "no such path")
@@ -76,7 +82,13 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
         from ..probe.card import load_card
         card = load_card(card_path)
     with _progress() as progress:
-        if offline:
+        if multi:
+            from ..compare.parallel import under_torchrun
+            result = bisect_ranks(source, ref=ref, workload=workload, direction=direction,
+                                  budgets=list(budgets), progress=progress, across_processes=under_torchrun())
+            if result is None:  # a torchrun process other than 0: its verdicts went to process 0
+                sys.exit(0)
+        elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                  budgets=list(budgets), progress=progress)
         else:
@@ -86,7 +98,8 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
         from ..probe.explain import explain_culprit
         sentence = explain_culprit(card, result.culprit, result.dut.split("/")[-1].split("+")[0])
         result.culprit["card"] = sentence or f"the card of {card.target} does not measure {result.culprit.get('name')}"
-    text = result.dumps() if fmt == "json" else "\n".join(summary_lines(result))
+    render = ranks_summary_lines if multi else summary_lines
+    text = result.dumps() if fmt == "json" else "\n".join(render(result))
     if card is not None and result.culprit and fmt != "json":
         text += f"\ndevice card: {result.culprit['card']}"
     if out:  # like compare -o: the file only, and a line on stderr saying where it went

@@ -1,0 +1,342 @@
+"""Bisect a multi-rank job (tensor parallel, data parallel...) from its per-rank replay dumps.
+
+``precisiondiff bisect RUN_DIR`` on a directory of ``rank{N}/`` dumps (``torchrun ... capture
+--mode replay``, or the Python API inside a process group), or :func:`bisect_ranks`:
+
+1. **Each rank bisects its own ops** from its own recorded inputs (:func:`bisect_dump` on its
+   dump): op-local judging needs nothing from the other ranks, so a kernel wrong on rank 1 only
+   is named on rank 1, with ``rank: 1`` in the culprit, and the other ranks say parity. Collective
+   ops are left out of the per-rank search (they cannot run in one process).
+2. **Collectives are judged as units** (:mod:`.collectives`): the inputs every rank of the group
+   recorded are gathered from the dumps, the collective is recomputed in float64 and each rank's
+   output is judged by the peer rule against a correct implementation in its dtype (a float32
+   accumulation of the K ranks' inputs rounded once): a bf16-accumulating all-reduce is named,
+   though its output is the same on every rank.
+3. **One result**: the first offending unit in execution order (forward before backward, then
+   by the rank's sequence number; ties by rank) is the culprit; every rank's verdict is kept in
+   ``ranks``, the collectives in ``collectives``.
+
+Modules are not replayed (a module of a parallel model calls collectives); ``workload`` only
+imports its module, so that its custom ops are known.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..errors import BisectError, PrecisionDiffError
+from ..store.reader import iter_index
+from .collectives import CollectiveUnit, CollectiveVerdict, collect_units, judge_collective
+from .offline import bisect_dump
+from .result import BisectResult, _clean
+from .shards import placements_of, prepare_events
+
+__all__ = ["RanksBisectResult", "bisect_ranks", "is_multi_rank", "ranks_summary_lines"]
+
+_ORDER = {"forward": 0, "backward": 1}
+
+
+@dataclass
+class RanksBisectResult(BisectResult):
+    """A :class:`BisectResult` of a multi-rank job; the culprit carries ``rank``.
+
+    Attributes:
+        ranks: per rank, ``{"verdict", "culprit", "final_error", "candidates"}`` of its own ops.
+        collectives: ``{"judged", "wrong": [...], "not_judged": [...]}`` (see :mod:`.collectives`).
+    """
+
+    ranks: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    collectives: Dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        """DESIGN.md's fields, then ``ranks`` and ``collectives``."""
+        out = super().to_json()
+        out["ranks"] = _clean({str(r): v for r, v in sorted(self.ranks.items())})
+        out["collectives"] = _clean(self.collectives)
+        return out
+
+
+def is_multi_rank(path: "str | Path") -> bool:
+    """Whether ``path`` is a directory of ``rank{N}/`` dumps (no ``meta.json`` of its own)."""
+    p = Path(path)
+    if not p.is_dir() or (p / "meta.json").exists():
+        return False
+    return any(c.is_dir() and c.name.startswith("rank") and c.name[4:].isdigit() and (c / "meta.json").exists()
+               for c in p.iterdir())
+
+
+def _import_workload_module(workload: Any) -> None:
+    """Import the module of a ``path.py:fn`` / ``package.module:fn`` spec (its custom ops)."""
+    if workload is None or callable(workload):
+        return
+    from ..runtime.workload import _load_module
+    module_part = str(workload).rsplit(":", 1)[0] if ":" in str(workload) else str(workload)
+    try:
+        _load_module(module_part)
+    except PrecisionDiffError as err:
+        raise BisectError(str(err)) from err
+
+
+def _seqs(path: Path) -> Dict[Tuple[str, str, str, str, int], int]:
+    """(kind, scope, name, direction, call) -> seq, first step of one rank's dump."""
+    out: Dict[Tuple[str, str, str, str, int], int] = {}
+    first = None
+    for _, ev, _ in iter_index(path, strict=False):
+        if not ev:
+            continue
+        first = ev.get("step") if first is None else first
+        if ev.get("step") != first:
+            break
+        out.setdefault((ev["kind"], ev["scope"], ev["name"], ev["direction"], int(ev.get("call") or 0)),
+                       int(ev["seq"]))
+    return out
+
+
+def _unit_key(unit: Dict[str, Any]) -> Tuple[str, str, str, str, int]:
+    return (unit["kind"], unit["scope"], unit["name"], unit["direction"], int(unit.get("call") or 0))
+
+
+def _collective_json(unit: CollectiveUnit, verdict: CollectiveVerdict) -> Dict[str, Any]:
+    return {"kind": "collective", "scope": unit.scope, "name": unit.name, "direction": unit.direction,
+            "call": unit.call, "rank": verdict.wrong_ranks[0] if verdict.wrong_ranks else None,
+            "ranks": verdict.wrong_ranks, "group": {"name": unit.group, "ranks": unit.ranks},
+            "collective": unit.kind, "reduce_op": verdict.reduce_op, "local": verdict.local,
+            "budget": {"rule": "peer: recomputed in float64 from every rank's input; peer = float32 "
+                               "accumulation of the ranks' inputs, rounded once"
+                       if verdict.reduce_op else "exact: the output is the ranks' inputs, bit for bit",
+                       "k": len(unit.ranks)},
+            "peer": verdict.peer, "message": verdict.message}
+
+
+def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: Any = None,
+                 direction: Optional[str] = None, budgets: Any = None,
+                 progress: Optional[Callable[[int, int, str], None]] = None,
+                 max_candidates: int = 3, across_processes: bool = False) -> Optional[RanksBisectResult]:
+    """Bisect a multi-rank job from its per-rank ``--mode replay`` dumps (module docstring).
+
+    Args:
+        run_dir: the directory holding ``rank0/``, ``rank1/``...
+        ref: the reference target ops and collectives are recomputed on.
+        workload: a workload spec whose module defines the job's custom ops (only imported).
+        direction: ``"forward"`` or ``"backward"`` only.
+        budgets: op budget overrides (see :func:`precisiondiff.bisect.bisect`).
+        progress: called as ``progress(done, total, label)`` (per rank, labels prefixed).
+        max_candidates: offending units reported after the culprit.
+        across_processes: run under ``torchrun``: process ``i`` of ``W`` bisects ranks ``i,
+            i+W, ...`` and process 0 gathers the verdicts (gloo, from torchrun's environment),
+            judges the collectives from the dumps it can read and returns the result.
+
+    Returns:
+        A :class:`RanksBisectResult`: ``culprit["rank"]`` names the rank; a wrong collective is
+        ``kind: "collective"`` with the ranks whose output is wrong and its group. None on a
+        process other than 0 with ``across_processes``.
+
+    Raises:
+        BisectError: not a multi-rank dump, a rank not captured in replay mode.
+
+    Example:
+        >>> r = bisect_ranks("runs/tp")  # doctest: +SKIP
+        >>> r.culprit["rank"], r.culprit["name"]  # doctest: +SKIP
+    """
+    from ..store import load
+    started = time.perf_counter()
+    if not is_multi_rank(run_dir):
+        raise BisectError(f"{run_dir} is not a multi-rank dump (a directory of rank0/, rank1/... dumps)")
+    _import_workload_module(workload)
+    try:
+        dump = load(run_dir)
+    except PrecisionDiffError as err:
+        raise BisectError(f"{run_dir}: {err}") from err
+    paths = {r: d.path for r, d in sorted(dump.ranks.items())}
+
+    def one(rank: int) -> Tuple[BisectResult, List[Dict[str, Any]]]:
+        def prog(done: int, total: int, label: str) -> None:
+            if progress is not None:
+                progress(done, total, f"rank {rank}: {label}")
+        left: List[Dict[str, Any]] = []
+        try:
+            res = bisect_dump(paths[rank], ref=ref, direction=direction, budgets=budgets, progress=prog,
+                              max_candidates=max_candidates, prepare=prepare_events(placements_of(paths[rank]), left))
+        except BisectError as err:
+            raise BisectError(f"rank {rank}: {err}") from err
+        return res, left
+
+    done = _across_processes(one, list(paths)) if across_processes else {r: one(r) for r in paths}
+    if done is None:
+        return None
+    per_rank = {r: done[r][0] for r in sorted(done)}
+    left_out = {r: done[r][1] for r in sorted(done)}
+    units = collect_units(paths, direction=direction)
+    verdicts = [(u, judge_collective(u, lambda r, key: dump.ranks[r].tensor(key))) for u in units]
+    result = _merge(per_rank, paths, verdicts, max_candidates, time.perf_counter() - started)
+    shards = sorted({(u["scope"], u["name"], u["reason"]) for units in left_out.values() for u in units})
+    if shards:
+        result.notes.append(f"{sum(map(len, left_out.values()))} DTensor op call(s) not judged: "
+                            + "; ".join(f"{n} in {s or '<root>'} ({why})" for s, n, why in shards[:3])
+                            + (" ..." if len(shards) > 3 else ""))
+    result.cost["dtensor_ops_not_judged"] = sum(map(len, left_out.values()))
+    return result
+
+
+def _across_processes(one: Callable[[int], Any], ranks: List[int]) -> Optional[Dict[int, Any]]:
+    """``one(rank)`` for ranks ``i, i+W...`` here (process ``i`` of ``W``), gathered on process 0
+    (what compare does under torchrun: precisiondiff/compare/parallel.py)."""
+    import torch.distributed as dist
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo")
+    try:
+        me, world = dist.get_rank(), dist.get_world_size()
+        error, mine = None, {}
+        try:
+            mine = {r: one(r) for i, r in enumerate(ranks) if i % world == me}
+        except BisectError as err:  # every process reaches the gather, so none waits forever
+            error = str(err)
+        gathered: Optional[list] = [None] * world if me == 0 else None
+        dist.gather_object((error, mine), gathered, dst=0)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    if gathered is None:
+        if error is not None:
+            raise BisectError(error)
+        return None
+    for err, _ in gathered:
+        if err is not None:
+            raise BisectError(err)
+    return {r: v for _, part in gathered for r, v in part.items()}
+
+
+def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
+           verdicts: List[Tuple[CollectiveUnit, CollectiveVerdict]], max_candidates: int,
+           wall_s: float) -> RanksBisectResult:
+    """The ranks' verdicts and the collectives' as one result (module docstring, step 3)."""
+    # (order key, unit json, (rank, whether it is that rank's own culprit) or None for a collective)
+    offending: List[Tuple[Tuple[int, int, int], Dict[str, Any], Optional[Tuple[int, bool]]]] = []
+    for rank, res in per_rank.items():
+        seqs = _seqs(paths[rank])
+        for i, unit in enumerate(([res.culprit] if res.culprit else []) + list(res.candidates)):
+            seq = seqs.get(_unit_key(unit), 1 << 60)
+            offending.append(((_ORDER.get(unit["direction"], 2), seq, rank), dict(unit, rank=rank), (rank, i == 0)))
+    for unit, v in verdicts:
+        if v.judged and not v.passed:
+            first = min(v.wrong_ranks, key=lambda r: (unit.seq.get(r, 1 << 60), r))
+            offending.append(((_ORDER.get(unit.direction, 2), unit.seq.get(first, 1 << 60), first),
+                              _collective_json(unit, v), None))
+    offending.sort(key=lambda o: o[0])
+    first_rank = min(per_rank)
+    base = per_rank[first_rank]
+    notes = _merged_notes(per_rank)
+    culprit = path = evidence = None
+    if offending:
+        _, culprit, origin = offending[0]
+        if origin is not None:
+            if origin[1]:  # the rank's own culprit: its path and evidence
+                path, evidence = per_rank[origin[0]].path, per_rank[origin[0]].evidence
+            same = sorted(r for r, res in per_rank.items() if any(
+                _unit_key(u) == _unit_key(culprit) for u in ([res.culprit] if res.culprit else []) + res.candidates))
+            culprit["found_on_ranks"] = same
+            others = [r for r in per_rank if r not in same]
+            if others:
+                notes.insert(0, f"{culprit['name']} in {culprit['scope'] or '<root>'} is over budget on rank(s) "
+                                f"{same} only; on rank(s) {others} the same op call passes")
+        else:
+            evidence = {"ranks": culprit["group"]["ranks"], "inputs": "every rank's recorded input"}
+    not_judged = [{"scope": u.scope, "name": u.name, "direction": u.direction, "call": u.call, "reason": v.reason}
+                  for u, v in verdicts if not v.judged]
+    if not_judged:
+        names = sorted({f"{n['name']} ({n['reason']})" for n in not_judged})
+        notes.append(f"{len(not_judged)} collective call(s) not judged: " + "; ".join(names[:3])
+                     + (" ..." if len(names) > 3 else ""))
+    notes.append("modules not replayed (a module of a parallel job calls collectives): each rank's ops and the "
+                 "collectives are judged from the dumps")
+    unjudged = sorted({n for res in per_rank.values() for n in res.unreplayable})
+    if unjudged:
+        notes.insert(0, f"WARNING: {len(unjudged)} op(s) could not be judged on the reference: "
+                        f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''} (an op not registered in "
+                        "this process: pass --workload with the module that defines it; an op with no reference "
+                        "implementation: precisiondiff.register_reference)")
+    finals = [res.final_error for res in per_rank.values() if res.confirmation.get("final_error_before") is not None]
+    final_error = max(finals) if finals else 0.0
+    if culprit is not None:
+        verdict = "kernel"
+    elif any(res.verdict == "accumulated" for res in per_rank.values()):
+        verdict = "accumulated"
+    else:
+        verdict = "parity"
+    cost: Dict[str, Any] = {k: sum(int(res.cost.get(k) or 0) for res in per_rank.values())
+                            for k in ("dut_runs", "ref_runs", "units_isolated", "ops_replayed")}
+    cost["forward_equivalents"] = round(sum(float(res.cost.get("forward_equivalents") or 0)
+                                            for res in per_rank.values()), 2)
+    cost.update(ranks=len(per_rank), collectives_judged=sum(1 for _, v in verdicts if v.judged),
+                wall_s=round(wall_s, 3))
+    ranks = {r: {"verdict": res.verdict, "final_error": res.final_error,
+                 "culprit": ({k: res.culprit[k] for k in ("kind", "scope", "name", "direction", "call")}
+                             if res.culprit else None), "candidates": len(res.candidates)}
+             for r, res in per_rank.items()}
+    collectives = {"judged": cost["collectives_judged"],
+                   "wrong": [_collective_json(u, v) for u, v in verdicts if v.judged and not v.passed],
+                   "passed": [{"scope": u.scope, "name": u.name, "direction": u.direction, "call": u.call,
+                               "reduce_op": v.reduce_op, "ranks": u.ranks, "ratio": v.peer.get("ratio")}
+                              for u, v in verdicts if v.judged and v.passed],
+                   "not_judged": not_judged}
+    return RanksBisectResult(
+        verdict=verdict, dut=base.dut, ref=base.ref, culprit=culprit, path=path or [],
+        confirmation={"final_error_before": final_error if finals else None,
+                      "final_error_after_substitution": None},
+        cost=cost, candidates=[o[1] for o in offending[1:1 + max_candidates]], evidence=evidence or {},
+        growth=[] if culprit else base.growth, unreplayable=sorted({n for res in per_rank.values()
+                                                                    for n in res.unreplayable}),
+        final_error=final_error, parity_bound=base.parity_bound, notes=notes, ranks=ranks,
+        collectives=collectives)
+
+
+def _merged_notes(per_rank: Dict[int, BisectResult]) -> List[str]:
+    """Each rank's notes once, with the ranks it came from when not all of them."""
+    seen: Dict[str, List[int]] = {}
+    for rank, res in per_rank.items():
+        for n in res.notes:
+            if not n.startswith("modules not replayed"):  # said once, for the job (below)
+                seen.setdefault(n, []).append(rank)
+    return [n if len(rs) == len(per_rank) else f"(rank {', '.join(map(str, rs))}) {n}" for n, rs in seen.items()]
+
+
+def ranks_summary_lines(r: RanksBisectResult) -> List[str]:
+    """The terminal summary: the culprit and its rank, each rank's verdict, the collectives."""
+    from .render import _num, summary_lines
+    c = r.culprit
+    head = f"bisect {r.dut} vs {r.ref} on {len(r.ranks)} ranks: {r.verdict.upper()}"
+    if c is None or c["kind"] != "collective":
+        lines = summary_lines(r)
+        lines[0] = head
+        if c is not None:
+            lines[1] += f" on rank {c['rank']}"
+    else:
+        peer = c.get("peer") or {}
+        lines = [head, f"culprit: collective {c['name']} in {c['scope'] or '<root>'} ({c['direction']}, call "
+                       f"{c['call']}), group {c['group']['name']} ranks {c['group']['ranks']}"]
+        if c.get("reduce_op"):
+            lines.append(f"  recomputed from the {len(c['group']['ranks'])} ranks' inputs as {c['collective']} "
+                         f"({c['reduce_op']}): rel-L2 {_num(peer.get('error'))} vs float32 accumulation rounded "
+                         f"once {_num((peer.get('peers') or {}).get('float32'))}, bound {_num(peer.get('bound'))}; "
+                         f"worst element {_num(peer.get('max_error'))} vs peer's {_num(peer.get('peer_max_error'))}")
+        else:
+            lines.append(f"  {peer.get('mismatched')} of {peer.get('numel')} elements differ from the ranks' inputs")
+        lines.append(f"  wrong output on rank(s) {c['ranks']}")
+        lines += [f"note: {n}" for n in r.notes]
+        lines.append(f"cost: {r.cost.get('dut_runs')} DUT runs, {r.cost.get('ref_runs')} reference runs, "
+                     f"{_num(r.cost.get('forward_equivalents'))} forward-equivalents, {_num(r.cost.get('wall_s'))} s")
+    at = next((i for i, line in enumerate(lines) if line.startswith(("note:", "cost:"))), len(lines))
+    extra = []
+    for rank, info in sorted(r.ranks.items()):
+        cu = info.get("culprit")
+        extra.append(f"rank {rank}: {info['verdict'].upper()}" + (
+            f", first over budget: {cu['kind']} {cu['name']} in {cu['scope'] or '<root>'} ({cu['direction']})"
+            if cu else ", no op over budget"))
+    col = r.collectives
+    extra.append(f"collectives: {col.get('judged', 0)} recomputed from every rank's inputs, "
+                 f"{len(col.get('wrong', []))} wrong"
+                 + (f", {len(col.get('not_judged', []))} not judged" if col.get("not_judged") else ""))
+    return lines[:at] + extra + lines[at:]
