@@ -24,6 +24,9 @@ The rules (docs/bisect.md, "How the culprit is chosen"):
   children of every module that is ``over`` (or not replayable, or around an unreplayable op).
   A module within what rounding explains is not descended into: a module-level fault inside it
   would have shown in its own error (the assumption property tests encode).
+* Once an op offends, modules that run after it (in the order above) and hold no module that
+  runs before it are not isolated: none of them can be the culprit, so further candidates are
+  ops only (``judge_after_culprit=True`` isolates them too).
 """
 from __future__ import annotations
 
@@ -100,6 +103,8 @@ class Search:
     Args:
         units: every unit of the run (any order; parents must be among them or None).
         max_candidates: offending units to find after the culprit before stopping.
+        judge_after_culprit: also isolate modules that run after the first offending op
+            (further module candidates; they cannot change the culprit).
 
     Example:
         >>> s = Search([Unit(0, "op", parent=1), Unit(1, "module")])
@@ -109,7 +114,7 @@ class Search:
         0
     """
 
-    def __init__(self, units: Sequence[Unit], *, max_candidates: int = 3) -> None:
+    def __init__(self, units: Sequence[Unit], *, max_candidates: int = 3, judge_after_culprit: bool = False) -> None:
         self.units: Dict[int, Unit] = {u.uid: u for u in units}
         if len(self.units) != len(units):
             raise ValueError("unit ids must be unique")
@@ -119,6 +124,8 @@ class Search:
             if u.parent is not None and (u.parent not in self.units or self.units[u.parent].kind != "module"):
                 raise ValueError(f"unit {u.uid}: parent {u.parent} is not a module unit")
         self.max_candidates = max_candidates
+        self.judge_after_culprit = judge_after_culprit
+        self.skipped: List[int] = []  # modules not isolated: they run after the culprit op
         self.children: Dict[Optional[int], List[int]] = {}
         for u in sorted(units, key=_order_key):
             if u.kind == "module":
@@ -141,10 +148,23 @@ class Search:
         """The uid of the unit to isolate next, or None when the search is over."""
         if not self._ops_done():
             return self._ops[self._op_pos]
+        self._queue.sort(key=lambda uid: _order_key(self.units[uid]))
+        while self._queue and self.moot(self._queue[0]):
+            self.skipped.append(self._queue.pop(0))
         if not self._queue:
             return None
-        self._queue.sort(key=lambda uid: _order_key(self.units[uid]))
         return self._queue[0]
+
+    def moot(self, uid: int) -> bool:
+        """A module that runs after the first offending op and holds no module that runs before
+        it: it cannot be the culprit (that op comes first) and judging it cannot lead to a unit
+        that could, so it is not isolated (``judge_after_culprit=False``)."""
+        if self.judge_after_culprit or not self._op_offending:
+            return False
+        first = _order_key(self.units[min(self._op_offending, key=lambda u: _order_key(self.units[u]))])
+        if _order_key(self.units[uid]) < first:
+            return False
+        return all(_order_key(self.units[c]) > first for c in self.children.get(uid, []))
 
     def record(self, uid: int, judgement: Judgement) -> None:
         """Feed the judgement of the unit :meth:`next_query` returned."""

@@ -17,7 +17,7 @@ def _culprit(r: BisectResult) -> tuple:
 
 
 def test_fused_rms_norm_bf16_accumulation_is_named():
-    r = bisect(f"{EXAMPLE}:build_with_bug", target="cpu/bf16")
+    r = bisect(f"{EXAMPLE}:build_with_bug", target="cpu/bf16", confirm=True)
     assert r.verdict == "kernel"
     assert _culprit(r) == ("op", "blocks.0.norm1", "pdexample.fused_rms_norm.default", "forward")
     assert [p["scope"] for p in r.path] == ["", "blocks.0", "blocks.0.norm1"]
@@ -29,6 +29,27 @@ def test_fused_rms_norm_bf16_accumulation_is_named():
     assert set(json["cost"]) >= {"dut_runs", "ref_runs", "forward_equivalents"}
 
 
+def test_unconfirmed_kernel_verdict_costs_one_captured_step_and_the_replays():
+    r = bisect(f"{EXAMPLE}:build_with_bug", target="cpu/bf16")
+    assert _culprit(r) == ("op", "blocks.0.norm1", "pdexample.fused_rms_norm.default", "forward")
+    c = r.cost
+    assert (c["dut_runs"], c["ref_runs"]) == (1, 0)  # the verdict needs no reference run
+    assert r.final_error is None and r.confirmation["final_error_after_substitution"] is None
+    assert any(n.startswith("not confirmed") for n in r.notes)
+    assert set(c["breakdown"]) <= {"dut_capture", "op_golden", "op_magnitude", "op_peers", "module_golden",
+                                   "module_emulated", "module_semantic"}
+    assert c["breakdown"]["dut_capture"] == 3.0  # a forward + backward step
+    assert sum(c["breakdown"].values()) == pytest.approx(c["forward_equivalents"], abs=0.02)
+    assert c["steps"] == pytest.approx(c["forward_equivalents"] / 3, abs=0.01)
+    assert c["steps"] < 2.5  # was 6.1 (timing forward, reference run, substitution, magnitudes)
+
+
+def test_parity_verdict_runs_the_reference_for_its_final_error():
+    r = bisect(planted.mlp_workload, target="cpu/bf16")
+    assert r.verdict == "parity" and 0 < r.final_error <= r.parity_bound
+    assert (r.cost["dut_runs"], r.cost["ref_runs"]) == (1, 1) and r.cost["breakdown"]["reference"] == 3.0
+
+
 def test_fused_softmax_bf16_accumulation_is_named():
     r = bisect(planted.softmax_workload, target="cpu/bf16")
     assert _culprit(r) == ("op", "1", "pdtest.fused_softmax.default", "forward")
@@ -36,7 +57,7 @@ def test_fused_softmax_bf16_accumulation_is_named():
 
 @pytest.mark.filterwarnings("ignore:Full backward hook")
 def test_autograd_function_wrong_backward_blames_its_module():
-    r = bisect(planted.bad_backward_workload, target="cpu/bf16")
+    r = bisect(planted.bad_backward_workload, target="cpu/bf16", confirm=True)
     assert r.verdict == "kernel"
     assert _culprit(r) == ("module", "scale", "Scale", "backward")
     assert r.confirmation["final_error_after_substitution"] < 0.1 * r.confirmation["final_error_before"]
