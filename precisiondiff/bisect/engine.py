@@ -199,7 +199,7 @@ def run_search(inp: EngineInput) -> EngineOutput:
         else:
             held = [by_seq[u] for u in holding.get(uid, [])]
             judgement, detail = _judge_module(ev, inp, counter, set(unreplayable), forward_calls, held,
-                                              bwd=pair[uid] if uid in pair and not search.moot(pair[uid].seq) else None,
+                                              bwd=pair[uid] if uid in pair and search.will_judge(pair[uid].seq) else None,
                                               shared=shared)
             if not judgement.replayable and held and parents[uid] is not None:
                 holding.setdefault(parents[uid], []).extend(holding.pop(uid))

@@ -26,7 +26,9 @@ The rules (docs/bisect.md, "How the culprit is chosen"):
   would have shown in its own error (the assumption property tests encode).
 * Once an op offends, modules that run after it (in the order above) and hold no module that
   runs before it are not isolated: none of them can be the culprit, so further candidates are
-  ops only (``judge_after_culprit=True`` isolates them too).
+  ops only; the modules around the first offending op are not isolated either (they hold an
+  offending unit, so they cannot offend): the descent goes into their children as if they were
+  over (``judge_after_culprit=True`` isolates them all, as before).
 """
 from __future__ import annotations
 
@@ -148,12 +150,45 @@ class Search:
         """The uid of the unit to isolate next, or None when the search is over."""
         if not self._ops_done():
             return self._ops[self._op_pos]
-        self._queue.sort(key=lambda uid: _order_key(self.units[uid]))
-        while self._queue and self.moot(self._queue[0]):
-            self.skipped.append(self._queue.pop(0))
-        if not self._queue:
+        while True:
+            self._queue.sort(key=lambda uid: _order_key(self.units[uid]))
+            if not self._queue:
+                return None
+            head = self._queue[0]
+            if self.moot(head):
+                self.skipped.append(self._queue.pop(0))
+            elif self._holds_first_offender(head):  # covered: descend without isolating it
+                self.skipped.append(self._queue.pop(0))
+                self._descend(head)
+            else:
+                return head
+
+    def will_judge(self, uid: int) -> bool:
+        """Whether the module ``uid`` (once queued) is isolated, as far as known now."""
+        return not self.moot(uid) and not self._holds_first_offender(uid)
+
+    def _first_offender(self) -> Optional[int]:
+        if not self._op_offending:
             return None
-        return self._queue[0]
+        return min(self._op_offending, key=lambda u: _order_key(self.units[u]))
+
+    def _holds_first_offender(self, uid: int) -> bool:
+        """A module around the first offending op cannot offend (an offending unit is inside
+        it), so it is not isolated; the descent goes on into its children as if it were over
+        (``judge_after_culprit=False``)."""
+        first = None if self.judge_after_culprit else self._first_offender()
+        parent = self.units[first].parent if first is not None else None
+        while parent is not None:
+            if parent == uid:
+                return True
+            parent = self.units[parent].parent
+        return False
+
+    def _descend(self, uid: int) -> None:
+        for child in self.children.get(uid, []):
+            if child not in self._queued:
+                self._queued.add(child)
+                self._queue.append(child)
 
     def moot(self, uid: int) -> bool:
         """A module that runs after the first offending op and holds no module that runs before
@@ -161,7 +196,9 @@ class Search:
         that could, so it is not isolated (``judge_after_culprit=False``)."""
         if self.judge_after_culprit or not self._op_offending:
             return False
-        first = _order_key(self.units[min(self._op_offending, key=lambda u: _order_key(self.units[u]))])
+        if self._holds_first_offender(uid):
+            return False
+        first = _order_key(self.units[self._first_offender()])
         if _order_key(self.units[uid]) < first:
             return False
         return all(_order_key(self.units[c]) > first for c in self.children.get(uid, []))
@@ -186,10 +223,7 @@ class Search:
         if not judgement.replayable and self._holds_unreplayable.get(uid, False):
             self._mark_unreplayable(unit)
         if not judgement.replayable or judgement.over or uid in self._forced:
-            for child in self.children.get(uid, []):
-                if child not in self._queued:
-                    self._queued.add(child)
-                    self._queue.append(child)
+            self._descend(uid)
 
     def _mark_unreplayable(self, unit: Unit) -> None:
         """Hand an unreplayable unit to its innermost replayable ancestor; force the descent
