@@ -20,6 +20,7 @@ from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_sear
 from .evidence import input_evidence, param_grads_of
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .result import BisectResult
+from .spill import DEFAULT_BUDGET, SpillSink
 from .substitute import ReplaceOpMode, final_errors, replace_module_output
 
 __all__ = ["bisect", "events_from_sink", "confirm", "confirm_by_substitution", "check_options", "run_reference", "run_to_run_noise",
@@ -281,7 +282,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            ref: "str | Target" = "cpu/float64", direction: Optional[str] = None,
            budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
            max_candidates: int = 3, noise: bool = False, confirm: bool = False,
-           time_step: bool = False) -> BisectResult:
+           time_step: bool = False, max_host_memory: Optional[int] = None) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -308,6 +309,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             against it: ``evidence.inputs``) and confirm by substitution (one more DUT run).
         time_step: time one plain forward first (two uncaptured forwards: warm-up and timed)
             for ``cost.plain_forward_s`` and ``cost.wall_over_forward``.
+        max_host_memory: bytes of the captured step's tensors held in memory (default 2 GiB);
+            the rest is spilled to a temporary directory and read back when a unit needs it
+            (``cost.host_memory``; docs/bisect.md, "Host memory").
 
     Returns:
         A :class:`BisectResult`.
@@ -348,7 +352,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         with torch.random.fork_rng(devices=[]):
             plain_forward_s = _timed_forward(wl, dut, timing_model, inputs)
         del timing_model
-    sink = MemorySink()
+    sink = SpillSink(DEFAULT_BUDGET if max_host_memory is None else max_host_memory)
     t0 = time.perf_counter()
     with capture(model=model, level="all", mode="replay", sink=sink):
         result = run_workload(wl, dut, model=model, inputs=inputs)
@@ -438,7 +442,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             **({"noise_s": round(noise_s, 3)} if noise else {}),
             **({"plain_forward_s": round(plain_forward_s, 6),
                 "wall_over_forward": round(wall_s / plain_forward_s, 1) if plain_forward_s > 0 else None}
-               if plain_forward_s is not None else {})}
+               if plain_forward_s is not None else {}),
+            "host_memory": {"budget": sink.budget, "held_bytes": sink.held_bytes,
+                            "spilled_bytes": sink.spilled_bytes}}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
                       input_check=input_check)
     result.noise = noise_json
@@ -459,4 +465,5 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         result.notes.append(f"modules compiled in place with Module.compile() ({', '.join(s or '<root>' for s in in_place)}) "
                             "were bisected eagerly, not checked as compiled regions: wrap them with "
                             "torch.compile(module) instead")
+    sink.cleanup()
     return result
