@@ -23,7 +23,8 @@ The rules (docs/bisect.md, "How the culprit is chosen"):
   more offending ops are known); then modules **top-down**: the top-level module calls, and the
   children of every module that is ``over`` (or not replayable, or around an unreplayable op).
   A module within what rounding explains is not descended into: a module-level fault inside it
-  would have shown in its own error (the assumption property tests encode).
+  would have shown in its own error (the assumption property tests encode); one around an
+  unreplayable op is descended into only towards that op.
 * Once an op offends, modules that run after it (in the order above) and hold no module that
   runs before it are not isolated: none of them can be the culprit, so further candidates are
   ops only; the modules around the first offending op are not isolated either (they hold an
@@ -184,9 +185,9 @@ class Search:
             parent = self.units[parent].parent
         return False
 
-    def _descend(self, uid: int) -> None:
+    def _descend(self, uid: int, only: Optional[set] = None) -> None:
         for child in self.children.get(uid, []):
-            if child not in self._queued:
+            if child not in self._queued and (only is None or child in only):
                 self._queued.add(child)
                 self._queue.append(child)
 
@@ -222,8 +223,10 @@ class Search:
         # up to its parent; one whose ops were all judged on their own has nothing to hand up
         if not judgement.replayable and self._holds_unreplayable.get(uid, False):
             self._mark_unreplayable(unit)
-        if not judgement.replayable or judgement.over or uid in self._forced:
+        if not judgement.replayable or judgement.over:
             self._descend(uid)
+        elif uid in self._forced:  # within rounding: only on towards the unreplayable op
+            self._descend(uid, only=self._forced)
 
     def _mark_unreplayable(self, unit: Unit) -> None:
         """Hand an unreplayable unit to its innermost replayable ancestor; force the descent
