@@ -1,6 +1,8 @@
 """Live bisect on planted-bug models: the exact culprit, or the verdict."""
 from __future__ import annotations
 
+import json as json_module
+
 import pytest
 
 from precisiondiff.bisect import BisectResult, bisect, register_reference
@@ -9,6 +11,7 @@ from precisiondiff.bisect.references import unregister_reference
 from . import planted
 
 EXAMPLE = "examples/tiny_transformer.py"
+PLANTED = "tests/bisect/planted.py"
 
 
 def _culprit(r: BisectResult) -> tuple:
@@ -132,3 +135,19 @@ def test_bad_budget_override_is_a_bisect_error():
     from precisiondiff.errors import BisectError
     with pytest.raises(BisectError, match="budget override .max_ulps=4.: unknown field"):
         bisect(planted.softmax_workload, target="cpu/bf16", budgets=["max_ulps=4"])
+
+
+def test_cli_confirm_runs_the_reference_and_the_substitution(tmp_path):
+    from click.testing import CliRunner
+    from precisiondiff.cli import cli
+    res = CliRunner().invoke(cli, ["bisect", f"{PLANTED}:softmax_workload", "--target", "cpu/bf16", "--confirm",
+                                   "--format", "json"])
+    out = json_module.loads(res.stdout)
+    assert res.exit_code == 1 and out["culprit"]["name"] == "pdtest.fused_softmax.default"
+    assert (out["cost"]["dut_runs"], out["cost"]["ref_runs"]) == (2, 1)
+    assert out["confirmation"]["final_error_after_substitution"] < out["confirmation"]["final_error_before"]
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "meta.json").write_text("{}")
+    res = CliRunner().invoke(cli, ["bisect", str(dump), "--confirm"])
+    assert res.exit_code == 2 and "--confirm applies to live bisect" in res.stderr
