@@ -20,6 +20,7 @@ from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_sear
 from .evidence import input_evidence, param_grads_of
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .result import BisectResult
+from .cost import cost_figures, step_cost
 from .spill import DEFAULT_BUDGET, SpillSink
 from .substitute import ReplaceOpMode, final_errors, replace_module_output
 
@@ -185,24 +186,6 @@ def noise_report(noise: Dict[NoiseKey, float], propagated: int,
             + (f"; {propagated} more differ between runs only through their inputs (judged as usual)"
                if propagated else ""))
     return report, [note]
-
-
-def step_cost(has_backward: bool) -> float:
-    """Forward-equivalents of one step of the workload: its forward, plus its backward (counted
-    as two forwards) when it has a loss (docs/bisect.md, "Cost")."""
-    return 3.0 if has_backward else 1.0
-
-
-def cost_figures(runs: Dict[str, float], out: EngineOutput, step: float) -> Dict[str, Any]:
-    """``forward_equivalents`` (every run and every replayed op, in forwards of the workload),
-    ``steps`` (the same in steps of the workload) and ``breakdown`` (forward-equivalents per
-    source: runs by name; replays by kind, ops replayed / ops per forward)."""
-    breakdown = {k: round(v, 3) for k, v in runs.items() if v}
-    for kind, n in sorted(out.breakdown.items()):
-        if n:
-            breakdown[kind] = round(n / out.forward_ops, 3)
-    fe = sum(runs.values()) + out.replayed_ops / out.forward_ops
-    return {"forward_equivalents": round(fe, 2), "steps": round(fe / step, 2), "breakdown": breakdown}
 
 
 def _grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -127,7 +127,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         >>> r = bisect_dump("runs/mlu", workload="examples/tiny_transformer.py:build_with_bug")  # doctest: +SKIP
     """
     from ..runtime.workload import load_workload
-    from .live import check_options, cost_figures, run_reference, step_cost
+    from .cost import cost_figures, step_cost
+    from .live import check_options, run_reference
     overrides = check_options(direction, budgets)
     started = time.perf_counter()
     dump = _open(dut_dump, "DUT_DUMP")
