@@ -48,9 +48,11 @@ def test_unconfirmed_kernel_verdict_costs_one_captured_step_and_the_replays():
 
 
 def test_parity_verdict_runs_the_reference_for_its_final_error():
-    r = bisect(planted.mlp_workload, target="cpu/bf16")
+    r = bisect(planted.mlp_workload, target="cpu/bf16", time_step=True)
     assert r.verdict == "parity" and 0 < r.final_error <= r.parity_bound
     assert (r.cost["dut_runs"], r.cost["ref_runs"]) == (1, 1) and r.cost["breakdown"]["reference"] == 3.0
+    # timing the step is asked for: a warm-up and a timed forward, both counted
+    assert r.cost["breakdown"]["timing"] == 2.0 and r.cost["plain_forward_s"] > 0
 
 
 def test_fused_softmax_bf16_accumulation_is_named():
