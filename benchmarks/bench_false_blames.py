@@ -3,9 +3,11 @@ on a bf16 target against float64 and count the verdicts that blame a kernel.
 
 Every zoo model runs only PyTorch's own kernels, so a ``kernel`` verdict is a false blame unless
 it is a documented, hand-verified stock finding (docs/bisect.md). Prints one row per model:
-verdict, culprit, final error (relative L2), forward-equivalents and wall time, then the count.
+verdict, culprit, final error (relative L2; "-" for a kernel verdict not confirmed: the verdict
+does not need the reference run, ``--confirm`` runs it), forward-equivalents, steps of the
+workload and wall time, then the count.
 
-    PYTHONPATH=. python benchmarks/bench_false_blames.py [MODEL ...] [--target cpu/bf16] [--json]
+    PYTHONPATH=. python benchmarks/bench_false_blames.py [MODEL ...] [--target cpu/bf16] [--json] [--confirm]
 """
 from __future__ import annotations
 
@@ -31,17 +33,17 @@ KNOWN_FINDINGS = {
 }
 
 
-def run(names, target: str):
+def run(names, target: str, confirm: bool = False):
     rows = []
     for name in names:
         start = time.perf_counter()
-        r = bisect(ZOO[name], target=target)
+        r = bisect(ZOO[name], target=target, confirm=confirm)
         c = r.culprit
         rows.append({"model": name, "verdict": r.verdict,
                      "finding": bool(c) and c["name"] in KNOWN_FINDINGS,
                      "culprit": f"{c['name']} in {c['scope'] or '<root>'} ({c['direction']})" if c else "-",
                      "final_error": r.final_error, "parity_bound": r.parity_bound,
-                     "forward_equivalents": r.cost["forward_equivalents"],
+                     "forward_equivalents": r.cost["forward_equivalents"], "steps": r.cost.get("steps"),
                      "wall_s": round(time.perf_counter() - start, 2)})
     return rows
 
@@ -51,8 +53,10 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=sorted(ZOO))
     parser.add_argument("--target", default="cpu/bf16")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--confirm", action="store_true",
+                        help="confirm kernel verdicts (reference run: their final error; substitution)")
     args = parser.parse_args()
-    rows = run(args.models, args.target)
+    rows = run(args.models, args.target, args.confirm)
     blames = sum(r["verdict"] == "kernel" and not r["finding"] for r in rows)
     findings = sum(r["verdict"] == "kernel" and r["finding"] for r in rows)
     if args.json:
@@ -60,10 +64,11 @@ def main() -> None:
                           "false_blames": blames, "stock_findings": findings, "models": rows}, indent=1))
         return
     print(f"target {args.target}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"{'model':<9} {'verdict':<12} {'final err':>9} {'bound':>7} {'fwd-eq':>7} {'wall s':>7}  culprit")
+    print(f"{'model':<9} {'verdict':<12} {'final err':>9} {'bound':>7} {'fwd-eq':>7} {'steps':>6} {'wall s':>7}  culprit")
     for r in rows:
-        print(f"{r['model']:<9} {r['verdict']:<12} {r['final_error']:>9.4f} {r['parity_bound']:>7.4f} "
-              f"{r['forward_equivalents']:>7} {r['wall_s']:>7}  {r['culprit']}"
+        final = "-" if r["final_error"] is None else f"{r['final_error']:.4f}"  # not measured: not confirmed
+        print(f"{r['model']:<9} {r['verdict']:<12} {final:>9} {r['parity_bound']:>7.4f} "
+              f"{r['forward_equivalents']:>7} {r['steps'] if r['steps'] is not None else '-':>6} {r['wall_s']:>7}  {r['culprit']}"
               + ("  [documented stock finding]" if r["finding"] else ""))
     print(f"false blames (kernel verdicts not a documented stock finding): {blames} of {len(rows)}; "
           f"documented stock findings: {findings}")

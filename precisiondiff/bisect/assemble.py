@@ -30,7 +30,7 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
     error exceeds the parity bound; else ``parity``."""
     finding = out.finding
     bound = parity_bound(dut.dtype)
-    final_error = (final or {}).get("final", 0.0)
+    final_error = final.get("final") if final else None
     culprit = None
     path: List[Dict[str, Any]] = []
     candidates: List[Dict[str, Any]] = []
@@ -90,7 +90,7 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
         if culprit is not None and first_unjudged is not None and first_unjudged < out.units[finding.culprit].seq:
             notes.insert(0, "WARNING: ops that could not be judged ran before this culprit: it may not "
                          "be the first faulty unit (see the note on ops not judged)")
-    if final is None:
+    if final is None and verdict != "kernel":
         notes.append("final output not compared (no reference output available)")
     return BisectResult(verdict=verdict, dut=str(dut), ref=str(ref), culprit=culprit, path=path,
                         confirmation=confirmation, cost=cost, candidates=candidates, evidence=evidence,

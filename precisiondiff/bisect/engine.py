@@ -16,7 +16,7 @@ from ..comparators.peers import compute_dtype
 from . import _compat
 from . import judge as J
 from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
-                      replay_module_forward, replay_op)
+                      replay_module_forward, replay_module_step, replay_op)
 from .search import Finding, Judgement, Search, Unit
 
 __all__ = ["EngineInput", "EngineOutput", "run_search", "random_outputs_of", "random_outputs_in_order", "DATA_MOVEMENT_OPS"]
@@ -54,6 +54,8 @@ class EngineInput:
             outputs between two DUT runs (live ``noise=True``); an op over its budget whose max
             abs error against the golden is at most ``NOISE_FACTOR`` times a nonzero difference is
             judged within noise, not over. None: no second run.
+        judge_after_culprit: also isolate the modules that run after the first offending op
+            (further module candidates; they cannot change the culprit).
     """
 
     events: List[UnitEvent]
@@ -69,6 +71,7 @@ class EngineInput:
     overrides: Optional[Dict[str, Dict[str, Any]]] = None
     noise: Optional[Dict[Tuple[str, str, str, int], float]] = None
     random_outputs: Optional[Callable[[UnitEvent], List[List[torch.Tensor]]]] = None
+    judge_after_culprit: bool = False
 
 
 @dataclass
@@ -81,6 +84,8 @@ class EngineOutput:
     replayed_ops: int
     forward_ops: int
     unreplayable_ops: List[str]
+    breakdown: Dict[str, int] = field(default_factory=dict)
+    skipped: List[int] = field(default_factory=list)
 
 
 def _is_candidate_op(ev: UnitEvent) -> bool:
@@ -164,7 +169,7 @@ def run_search(inp: EngineInput) -> EngineOutput:
     by_seq = {e.seq: e for e in events}
     parents = _parents(events)
     units = [Unit(e.seq, e.kind, e.direction, parents[e.seq]) for e in events]
-    search = Search(units, max_candidates=inp.max_candidates)
+    search = Search(units, max_candidates=inp.max_candidates, judge_after_culprit=inp.judge_after_culprit)
     forward_calls: Dict[Tuple[str, str], List[UnitEvent]] = {}
     for e in inp.events:
         if e.kind == "module" and e.direction == "forward":
@@ -172,6 +177,8 @@ def run_search(inp: EngineInput) -> EngineOutput:
     for calls in forward_calls.values():
         calls.sort(key=lambda e: e.call)
     counter: Dict[str, int] = {"ops": 0}
+    pair = _top_level_pairs(events, parents, forward_calls)
+    shared: Dict[int, Dict[str, torch.Tensor]] = {}
     unreplayable: List[str] = []
     details: Dict[int, dict] = {}
     # module uid -> the unreplayable ops it stands in for (innermost replayable module)
@@ -191,7 +198,9 @@ def run_search(inp: EngineInput) -> EngineOutput:
                     holding.setdefault(parents[uid], []).append(uid)
         else:
             held = [by_seq[u] for u in holding.get(uid, [])]
-            judgement, detail = _judge_module(ev, inp, counter, set(unreplayable), forward_calls, held)
+            judgement, detail = _judge_module(ev, inp, counter, set(unreplayable), forward_calls, held,
+                                              bwd=pair[uid] if uid in pair and search.will_judge(pair[uid].seq) else None,
+                                              shared=shared)
             if not judgement.replayable and held and parents[uid] is not None:
                 holding.setdefault(parents[uid], []).extend(holding.pop(uid))
             if held and judgement.replayable:
@@ -204,7 +213,24 @@ def run_search(inp: EngineInput) -> EngineOutput:
     if inp.progress is not None:
         inp.progress(total, total, "done")
     forward_ops = sum(1 for e in inp.events if e.kind == "op" and e.direction == "forward") or 1
-    return EngineOutput(search.result(), by_seq, details, counter["ops"], forward_ops, unreplayable)
+    breakdown = {k: v for k, v in counter.items() if k != "ops"}
+    return EngineOutput(search.result(), by_seq, details, counter["ops"], forward_ops, unreplayable,
+                        breakdown=breakdown, skipped=list(search.skipped))
+
+
+def _top_level_pairs(events: List[UnitEvent], parents: Dict[int, Optional[int]],
+                     forward_calls: Dict[Tuple[str, str], List[UnitEvent]]) -> Dict[int, UnitEvent]:
+    """Top-level forward module call -> its backward call, when both are units: the search
+    judges every top-level unit, so one forward+backward replay serves both."""
+    out: Dict[int, UnitEvent] = {}
+    for ev in events:
+        if ev.kind != "module" or ev.direction != "backward" or parents.get(ev.seq) is not None:
+            continue
+        calls = forward_calls.get((ev.scope, ev.name), [])
+        index = len(calls) - 1 - ev.call
+        if 0 <= index < len(calls) and calls[index].seq in parents and parents[calls[index].seq] is None:
+            out[calls[index].seq] = ev
+    return out
 
 
 def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple[Judgement, dict]:
@@ -213,15 +239,66 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple
     if _is_random(ev):
         return Judgement(replayable=True), {"replayable": True, "passed": True, "random": True, "local": {},
                                             "budget": {}, "message": "random op: its outputs are data"}
+    # The magnitude (the op on |inputs|) only widens the bounds: an op that passes without it
+    # passes with it, so it is replayed only for an op that does not (one replay saved per
+    # matmul-like op). A budget override can accept on the ULP budget, which the magnitude
+    # also widens: then it is computed up front, as the override path needs it.
+    has_magnitude = magnitude_op(ev.name)
+    eager = has_magnitude and _overrides_apply(ev, inp)
     try:
-        rep = replay_op(ev, device=inp.ref_device, dtype=inp.ref_dtype, magnitude=magnitude_op(ev.name))
+        rep = replay_op(ev, device=inp.ref_device, dtype=inp.ref_dtype, magnitude=eager)
     except Unreplayable as err:
         log.info("not replayable: %s", err)
         return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
-    counter["ops"] += 2 if rep.magnitudes is not None else 1
+    _count(counter, "op_golden", 1)
+    if rep.magnitudes is not None:
+        _count(counter, "op_magnitude", 1)
     in_dtypes = [getattr(torch, info[0]) for slot, info in ev.slots.items()
                  if slot.startswith("input.") and isinstance(getattr(torch, info[0], None), torch.dtype)
                  and getattr(torch, info[0]).is_floating_point]
+    outputs = _op_outputs(ev, rep, in_dtypes)
+    if isinstance(outputs, dict):
+        return Judgement(replayable=False), outputs
+    if not outputs:
+        return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}
+    module_class = inp.module_class_of(ev.scope) if inp.module_class_of is not None else None
+    n_out = len(rep.golden)
+    dtypes: List[Optional[torch.dtype]] = [None] * n_out
+    for o in outputs:
+        dtypes[o.index] = o.dut.dtype
+
+    class _NeedsMagnitude(Exception):
+        pass
+
+    def peers() -> Dict[str, Any]:
+        if has_magnitude and rep.magnitudes is None:
+            raise _NeedsMagnitude
+        _count(counter, "op_peers", 2)
+        return rep.peers(dtypes)
+    try:
+        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
+    except _NeedsMagnitude:
+        rep.magnitudes = rep.magnitudes_of()
+        _count(counter, "op_magnitude", 1)
+        outputs = _op_outputs(ev, rep, in_dtypes)
+        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
+    return _op_verdict(ev, inp, outputs, oj)
+
+
+def _count(counter: Dict[str, int], key: str, n: int) -> None:
+    counter[key] = counter.get(key, 0) + n
+    counter["ops"] = counter.get("ops", 0) + n
+
+
+def _overrides_apply(ev: UnitEvent, inp: EngineInput) -> bool:
+    """Whether a budget override may apply to this op (then its ULP budget can decide)."""
+    if not inp.overrides:
+        return False
+    return any("." not in key or ev.name == key or ev.name.startswith(key + ".") for key in inp.overrides)
+
+
+def _op_outputs(ev: UnitEvent, rep: Any, in_dtypes: List[torch.dtype]) -> "List[J.OpOutput] | dict":
+    """The op's floating outputs to judge, or the detail of why it cannot be judged."""
     outputs = []
     for i, g in enumerate(rep.golden):
         slot = f"output.{i}"
@@ -232,24 +309,17 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple
         if not dut.is_floating_point():
             continue
         if tuple(dut.shape) != tuple(g.shape):
-            return Judgement(replayable=False), {"replayable": False,
-                                                 "reason": f"{slot}: golden shape {tuple(g.shape)} "
-                                                           f"!= recorded {tuple(dut.shape)}"}
+            return {"replayable": False, "reason": f"{slot}: golden shape {tuple(g.shape)} "
+                                                   f"!= recorded {tuple(dut.shape)}"}
         mag = rep.magnitudes[i] if rep.magnitudes is not None and i < len(rep.magnitudes) else None
         k = rep.ks[i] if i < len(rep.ks) else None
         outputs.append(J.OpOutput(slot, i, dut, g, mag, k, compute_dtype(dut.dtype, in_dtypes)))
-    if not outputs:
-        return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}
-    module_class = inp.module_class_of(ev.scope) if inp.module_class_of is not None else None
-    n_out = len(rep.golden)
-    dtypes: List[Optional[torch.dtype]] = [None] * n_out
-    for o in outputs:
-        dtypes[o.index] = o.dut.dtype
+    return outputs
 
-    def peers() -> Dict[str, Any]:
-        counter["ops"] += 2
-        return rep.peers(dtypes)
-    oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
+
+def _op_verdict(ev: UnitEvent, inp: EngineInput, outputs: List[J.OpOutput],
+                oj: J.OpJudgement) -> Tuple[Judgement, dict]:
+    """The judgement and detail of a judged op; the run-to-run noise floor applies here."""
     detail = {"replayable": True, "passed": oj.passed, "local": oj.local, "budget": oj.budget,
               "slot": oj.slot, "message": oj.message, "peer": oj.peer}
     floor = (inp.noise or {}).get((ev.scope, ev.name, ev.direction, ev.call), 0.0)
@@ -277,13 +347,38 @@ def _is_random(ev: UnitEvent) -> bool:
     return is_random_call(ev.name, args, kwargs)
 
 
+def _golden_step(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitEvent, inp: EngineInput, fallback: set,
+                 randoms: List[List[torch.Tensor]], counter: Dict[str, int],
+                 shared: Dict[int, Dict[str, torch.Tensor]]) -> Optional[Dict[str, torch.Tensor]]:
+    """The golden of a top-level module's forward call from the replay that its backward call
+    needs anyway (the backward replay recomputes the forward): the backward's golden is kept in
+    ``shared`` for when the search reaches it. None when that replay fails (then the forward
+    is replayed alone, as before)."""
+    ops: Dict[str, int] = {}
+    mode = GoldenMode(fallback=fallback, counter=ops, random_outputs=randoms)
+    try:
+        outputs, grads = replay_module_step(template, fwd, bwd, device=inp.ref_device, dtype=inp.ref_dtype,
+                                            mode=mode)
+    except Unreplayable:
+        return None
+    finally:
+        _count(counter, "module_golden", ops.get("ops", 0))
+    shared[bwd.seq] = grads
+    return outputs
+
+
 def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fallback: set,
                   forward_calls: Dict[Tuple[str, str], List[UnitEvent]],
-                  held: Sequence[UnitEvent] = ()) -> Tuple[Judgement, dict]:
+                  held: Sequence[UnitEvent] = (), bwd: Optional[UnitEvent] = None,
+                  shared: Optional[Dict[int, Dict[str, torch.Tensor]]] = None) -> Tuple[Judgement, dict]:
     """Judge a module call against emulated rounding (judge.py). A module that holds ops which
     could not be replayed (``held``) stands in for them: it is also judged per element against
     the loosest of their budgets (:func:`~precisiondiff.bisect.judge.judge_standin`), since the
-    module rule alone is far coarser than an op budget."""
+    module rule alone is far coarser than an op budget.
+
+    ``bwd``: the backward call of this (forward, top-level) module call that the search will
+    judge too: one forward+backward replay gives both goldens, the backward's kept in
+    ``shared`` (keyed by its seq) until the search reaches it."""
     template = inp.module_of(ev.scope) if inp.module_of is not None else None
     if template is None:
         return Judgement(replayable=False), {"replayable": False,
@@ -299,14 +394,23 @@ def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fall
     randoms = inp.random_outputs(fwd) if inp.random_outputs is not None else []
 
     def replay(round_to: Optional[torch.dtype], decompose: bool = False) -> Dict[str, torch.Tensor]:
-        mode = GoldenMode(fallback=fallback, round_to=round_to, counter=counter, decompose=decompose,
+        kind = "module_golden" if round_to is None else ("module_semantic" if decompose else "module_emulated")
+        ops: Dict[str, int] = {}
+        mode = GoldenMode(fallback=fallback, round_to=round_to, counter=ops, decompose=decompose,
                           random_outputs=randoms)
-        if ev.direction == "forward":
-            return replay_module_forward(template, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
-        return replay_module_backward(template, fwd, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
+        try:
+            if ev.direction == "forward":
+                return replay_module_forward(template, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
+            return replay_module_backward(template, fwd, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
+        finally:
+            _count(counter, kind, ops.get("ops", 0))
 
     try:
-        golden = replay(None)
+        golden = shared.pop(ev.seq, None) if shared is not None else None
+        if golden is None and bwd is not None:
+            golden = _golden_step(template, ev, bwd, inp, fallback, randoms, counter, shared)
+        if golden is None:
+            golden = replay(None)
     except Unreplayable as err:
         return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
     dut: Dict[str, torch.Tensor] = {}

@@ -24,7 +24,7 @@ from ..comparators.peers import reductions_in_dtype, reference_semantics
 from .references import reference_for
 
 __all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
-           "replay_module_forward", "replay_module_backward", "FALLBACK_DTYPE"]
+           "replay_module_forward", "replay_module_backward", "replay_module_step", "FALLBACK_DTYPE"]
 
 FALLBACK_DTYPE = torch.float32  # inside module replays, for ops with no golden-dtype kernel
 
@@ -151,6 +151,7 @@ class OpReplay:
     Attributes:
         golden: the outputs computed from the DUT's inputs upcast to the reference dtype.
         magnitudes: the op on ``|inputs|`` (ops linear in each input), else None.
+        magnitudes_of: computes the magnitudes on demand (one more replay of the op).
         ks: the accumulation length of each output, from the op's schema.
         peers: called with the DUT output dtypes, computes the emulated peers
             (:mod:`precisiondiff.comparators.peers`) from the DUT's own inputs:
@@ -161,6 +162,7 @@ class OpReplay:
     magnitudes: Optional[List[torch.Tensor]]
     ks: List[Optional[int]]
     peers: Callable[[List[Optional[torch.dtype]]], Dict[str, Optional[List[Optional[torch.Tensor]]]]]
+    magnitudes_of: Callable[[], Optional[List[torch.Tensor]]] = lambda: None
 
 
 def _keep_dtype(device: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -199,12 +201,13 @@ def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool
 
     golden, g_args, g_kwargs = run(False)
     ks = accumulation_lengths(ev.name, g_args, g_kwargs, golden)
-    mags = None
-    if magnitude:
+
+    def magnitudes_of() -> Optional[List[torch.Tensor]]:
         try:
-            mags = run(True)[0]
+            return run(True)[0]
         except Unreplayable:
-            mags = None
+            return None
+    mags = magnitudes_of() if magnitude else None
 
     def peers(out_dtypes: List[Optional[torch.dtype]]) -> Dict[str, Optional[List[Optional[torch.Tensor]]]]:
         wide = max((d for d in out_dtypes if d is not None), key=lambda d: torch.finfo(d).bits, default=torch.float32)
@@ -220,7 +223,7 @@ def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool
                                   if reference_for(ev.name) is None else None)
         return found
 
-    return OpReplay(golden, mags, ks, peers)
+    return OpReplay(golden, mags, ks, peers, magnitudes_of)
 
 
 class GoldenMode(TorchDispatchMode):
@@ -237,7 +240,8 @@ class GoldenMode(TorchDispatchMode):
         random_outputs: the DUT's outputs of the random ops (``torch.Tag.nondeterministic_seeded``)
             of the replayed calls, in call order: each random op returns the next one (upcast)
             instead of drawing fresh numbers, so the replay sees the DUT's own dropout masks.
-        counter: optional dict; ``counter["ops"]`` is incremented per op (cost accounting).
+        counter: optional dict; ``counter["ops"]`` is incremented per op that is not a view
+            (cost accounting: capture does not record views either).
     """
 
     def __init__(self, *, fallback: Optional[Set[str]] = None, round_to: Optional[torch.dtype] = None,
@@ -253,7 +257,9 @@ class GoldenMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         name = str(func)
-        if self.counter is not None:
+        # counted like capture records ops (views and aliases are not ops of the step), so
+        # that ops replayed / ops per forward is in forwards of the workload
+        if self.counter is not None and not getattr(func, "is_view", False):
             self.counter["ops"] = self.counter.get("ops", 0) + 1
         if is_random_call(func, args, kwargs):
             return self._recorded(func, args, kwargs)
@@ -394,6 +400,14 @@ def replay_module_backward(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitE
     The forward is recomputed from the DUT's inputs and parameters, then back-propagated with
     the DUT's ``grad_output``.
     """
+    return replay_module_step(template, fwd, bwd, device=device, dtype=dtype, mode=mode)[1]
+
+
+def replay_module_step(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitEvent, *, device: str,
+                       dtype: torch.dtype, mode: GoldenMode) -> "tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]":
+    """One replay for both calls of a module: the golden ``output.N`` of its forward call
+    ``fwd`` (as :func:`replay_module_forward` gives them) and the golden ``grad_input.N`` /
+    ``param_grad.<name>`` of its backward call ``bwd`` (as :func:`replay_module_backward`)."""
     module = _module_copy(template, fwd, device, dtype)
     args, kwargs = _decode_inputs(fwd, device, dtype, requires_grad=True)
     up = _upcaster(device, dtype)
@@ -415,6 +429,7 @@ def replay_module_backward(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitE
                 o.register_hook(lambda _grad, _g=g: _g)
         _call(lambda: torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs]),
               [], {}, f"module {bwd.scope or '<root>'} backward")
+    forward = {f"output.{i}": t.detach() for i, t in enumerate(outs)}
     golden: Dict[str, torch.Tensor] = {}
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.grad is not None:
@@ -422,4 +437,4 @@ def replay_module_backward(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitE
     for name, p in module.named_parameters():
         if p.grad is not None:
             golden[f"param_grad.{name}"] = p.grad
-    return golden
+    return forward, golden

@@ -1,7 +1,9 @@
 """Live bisect: run the workload on the DUT (captured) and on the reference, then search."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -18,9 +20,11 @@ from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_sear
 from .evidence import input_evidence, param_grads_of
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .result import BisectResult
+from .cost import cost_figures, step_cost
+from .spill import DEFAULT_BUDGET, SpillSink
 from .substitute import ReplaceOpMode, final_errors, replace_module_output
 
-__all__ = ["bisect", "events_from_sink", "confirm", "check_options", "run_reference", "run_to_run_noise",
+__all__ = ["bisect", "events_from_sink", "confirm", "confirm_by_substitution", "check_options", "run_reference", "run_to_run_noise",
            "noise_report"]
 
 log = logging.getLogger(__name__)
@@ -71,21 +75,32 @@ def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, 
     return overrides
 
 
-def run_reference(wl: Workload, ref: Target, dut_events: Optional[List[UnitEvent]] = None
-                  ) -> "tuple[Any, Callable[[str], Optional[torch.Tensor]], List[str]]":
-    """Run the workload on the reference, captured at op and module level (tensors kept in
-    memory): the final outputs, a ``key -> tensor`` lookup for the evidence on the culprit's
-    inputs, and notes (ops that had no reference-dtype kernel and ran in float32).
+_ALL = object()
+
+
+def run_reference(wl: Workload, ref: Target, dut_events: Optional[List[UnitEvent]] = None,
+                  evidence_for: Any = _ALL) -> "tuple[Any, Callable[[str], Optional[torch.Tensor]], List[str]]":
+    """Run the workload on the reference: the final outputs, a ``key -> tensor`` lookup for the
+    evidence on the culprit's inputs, and notes (ops that had no reference-dtype kernel and ran
+    in float32).
 
     ``dut_events``: the DUT's recorded events; its random ops' outputs (dropout masks) are
     reused, in order, so both runs see the same draws (random ops are data).
+    ``evidence_for``: the culprit's event: only its scope is captured (tensors in memory), so
+    the host memory of the reference run is the model's and that unit's, not every activation;
+    None: nothing is captured; by default every op and module (level ``all``).
     """
     sink = MemorySink()
     model = ref.prepare_model(wl.model)
     model.train(wl.train)
     randoms = random_outputs_in_order(dut_events or [])
-    with GoldenMode(fallback=set(), random_outputs=randoms) as mode, \
-            capture(model=model, level="all", mode="tensors", sink=sink):
+    recording = contextlib.nullcontext()
+    if evidence_for is _ALL:
+        recording = capture(model=model, level="all", mode="tensors", sink=sink)
+    elif evidence_for is not None:
+        recording = capture(model=model, level="all", mode="tensors", sink=sink,
+                            scope=f"^{re.escape(evidence_for.scope)}$")
+    with GoldenMode(fallback=set(), random_outputs=randoms) as mode, recording:
         result = run_workload(wl, ref, model=model)
     records = {tensor_key(e["scope"], e["name"], e["call"], e["direction"], r["slot"]): r
                for e in sink.events for r in e["tensors"] if r["data_key"] is not None}
@@ -203,8 +218,8 @@ def golden_of_culprit(ev: UnitEvent, events: List[UnitEvent], module_of: Callabl
     return replay_module_backward(template, fwd, ev, device=ref.device, dtype=ref.dtype, mode=mode)
 
 
-def confirm(workload: Workload, dut: Target, ev: UnitEvent, events: List[UnitEvent],
-            golden: Dict[str, torch.Tensor]) -> Optional[Dict[str, Any]]:
+def confirm_by_substitution(workload: Workload, dut: Target, ev: UnitEvent, events: List[UnitEvent],
+                            golden: Dict[str, torch.Tensor]) -> Optional[Dict[str, Any]]:
     """Rerun the DUT with the culprit's output replaced; returns output/loss/grads or None."""
     model = dut.prepare_model(workload.model)
     model.train(workload.train)
@@ -227,6 +242,9 @@ def confirm(workload: Workload, dut: Target, ev: UnitEvent, events: List[UnitEve
     return {"output": result.output, "loss": result.loss, "grads": _grads(result.model)}
 
 
+confirm = confirm_by_substitution  # the earlier public name
+
+
 def substitution_notes(confirmation: Dict[str, Any], candidates: List[dict]) -> List[str]:
     """Say so when substitution removes little of the final error."""
     before = confirmation.get("final_error_before")
@@ -246,12 +264,15 @@ def substitution_notes(confirmation: Dict[str, Any], candidates: List[dict]) -> 
 def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Target | None" = None,
            ref: "str | Target" = "cpu/float64", direction: Optional[str] = None,
            budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
-           max_candidates: int = 3, noise: bool = False) -> BisectResult:
+           max_candidates: int = 3, noise: bool = False, confirm: bool = False,
+           time_step: bool = False, max_host_memory: Optional[int] = None) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
-    Runs the workload once on the DUT under capture (forward, and backward when it has a loss),
-    once on the reference, isolates every op and module call on the reference with the DUT's own
-    inputs and parameters, and confirms the culprit by substitution.
+    Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
+    and isolates every op and module call on the reference with the DUT's own inputs and
+    parameters. The reference runs the whole workload only when the verdict needs its final
+    error (no culprit) or ``confirm`` asks; ``confirm`` also reruns the DUT with the culprit's
+    output replaced by its golden (substitution).
 
     Args:
         workload: ``file.py:fn``, ``package.module:fn``, a factory, or a :class:`Workload`.
@@ -267,6 +288,13 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         noise: run the DUT a second time and take each op call's run-to-run difference as its
             noise floor: a nondeterministic op over its budget whose max abs error is within
             ``NOISE_FACTOR`` x that difference is not a culprit (docs/bisect.md, "Run-to-run noise").
+        confirm: with a culprit, also run the reference (final error, and the culprit's inputs
+            against it: ``evidence.inputs``) and confirm by substitution (one more DUT run).
+        time_step: time one plain forward first (two uncaptured forwards: warm-up and timed)
+            for ``cost.plain_forward_s`` and ``cost.wall_over_forward``.
+        max_host_memory: bytes of the captured step's tensors held in memory (default 2 GiB);
+            the rest is spilled to a temporary directory and read back when a unit needs it
+            (``cost.host_memory``; docs/bisect.md, "Host memory").
 
     Returns:
         A :class:`BisectResult`.
@@ -293,28 +321,27 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     if compiled_wl is not None or in_place:  # bisect the eager model; regions are checked below
         wl = compiled.eager_workload(wl)
     has_backward = wl.loss is not None
-    fwd_cost = 3.0 if has_backward else 1.0
+    fwd_cost = step_cost(has_backward)
 
     model = dut.prepare_model(wl.model)
     model.train(wl.train)
     inputs = dut.prepare_inputs(wl.inputs)
-    # timed on a copy, with the RNG state restored after: in training mode the timing forwards
-    # must not update BatchNorm statistics or consume dropout randomness of the bisected run
-    timing_model = dut.prepare_model(wl.model)
-    timing_model.train(wl.train)
-    with torch.random.fork_rng(devices=[]):
-        plain_forward_s = _timed_forward(wl, dut, timing_model, inputs)
-    del timing_model
-    sink = MemorySink()
+    plain_forward_s = None
+    if time_step:
+        # timed on a copy, with the RNG state restored after: in training mode the timing forwards
+        # must not update BatchNorm statistics or consume dropout randomness of the bisected run
+        timing_model = dut.prepare_model(wl.model)
+        timing_model.train(wl.train)
+        with torch.random.fork_rng(devices=[]):
+            plain_forward_s = _timed_forward(wl, dut, timing_model, inputs)
+        del timing_model
+    sink = SpillSink(DEFAULT_BUDGET if max_host_memory is None else max_host_memory)
     t0 = time.perf_counter()
     with capture(model=model, level="all", mode="replay", sink=sink):
         result = run_workload(wl, dut, model=model, inputs=inputs)
     dut.synchronize()
     capture_s = time.perf_counter() - t0
     events = events_from_sink(sink)
-    ref_result, ref_tensor, notes_ref = run_reference(wl, ref_t, events)
-    final = final_errors(result.output, result.loss, _grads(model), ref_result.output,
-                         ref_result.loss, _grads(ref_result.model))
 
     noise_floor: Optional[Dict[NoiseKey, float]] = None
     noise_s = 0.0
@@ -333,22 +360,38 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor))
     search_s = time.perf_counter() - t1
 
-    dut_runs, notes = 2, list(notes_ref)
+    # The reference run only when something needs it: the verdict (parity or accumulated: no
+    # culprit), the confirmation (evidence and substitution), or the compiled regions' check.
+    culprit_ev = out.units[out.finding.culprit] if out.finding.culprit is not None else None
+    ref_result = None
+    ref_tensor: Callable[[str], Optional[torch.Tensor]] = lambda key: None
+    notes: List[str] = []
+    if culprit_ev is None or confirm or compiled_wl is not None:
+        ref_result, ref_tensor, notes = run_reference(
+            wl, ref_t, events, evidence_for=_ALL if compiled_wl is not None else culprit_ev if confirm else None)
+    final = None
+    if ref_result is not None:
+        final = final_errors(result.output, result.loss, _grads(model), ref_result.output,
+                             ref_result.loss, _grads(ref_result.model))
+
+    dut_runs = 1
     noise_json = None
     if noise_floor is not None:
         noise_json, noise_notes = noise_report(noise_floor, noise_propagated, out)
         notes += noise_notes
         dut_runs += 1
-    confirmation: Dict[str, Any] = {"final_error_before": final["final"],
+    confirmation: Dict[str, Any] = {"final_error_before": final["final"] if final else None,
                                     "final_error_after_substitution": None}
     input_check = None
-    if out.finding.culprit is not None:
-        ev = out.units[out.finding.culprit]
+    substituted = 0
+    if culprit_ev is not None and confirm:
+        ev = culprit_ev
         input_check = input_evidence(ev, ref_tensor, dut.dtype)
         try:
             golden = golden_of_culprit(ev, events, modules.get, ref_t, dut.dtype, out.unreplayable_ops)
-            rerun = confirm(wl, dut, ev, events, golden)
+            rerun = confirm_by_substitution(wl, dut, ev, events, golden)
             dut_runs += 1
+            substituted = 1
         except Unreplayable as err:
             rerun = None
             notes.append(f"substitution not possible: {err}")
@@ -361,18 +404,30 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             cands = [{"scope": out.units[u].scope, "name": out.units[u].name,
                       "direction": out.units[u].direction} for u in out.finding.candidates]
             notes += substitution_notes(confirmation, cands)
+    elif culprit_ev is not None:
+        notes.append("not confirmed: the verdict needs only the captured step and the replays; "
+                     "confirm=True (--confirm) runs the reference for the final error and the "
+                     "evidence on the culprit's inputs, and reruns the DUT with the culprit's golden output")
+        if final is not None:
+            confirmation["detail_before"] = final
     else:
         confirmation["detail_before"] = final
     wall_s = time.perf_counter() - started
-    cost = {"dut_runs": dut_runs, "ref_runs": 1,
-            "forward_equivalents": round(fwd_cost * (dut_runs - 1) + 1.0 + fwd_cost
-                                         + out.replayed_ops / out.forward_ops, 2),
-            "units_isolated": out.finding.queries, "ops_replayed": out.replayed_ops,
+    runs = {"dut_capture": fwd_cost, "timing": 2.0 if time_step else 0.0,
+            "reference": fwd_cost if ref_result is not None else 0.0,
+            "substitution": fwd_cost * substituted, "noise": fwd_cost if noise_floor is not None else 0.0}
+    cost = {"dut_runs": dut_runs, "ref_runs": 1 if ref_result is not None else 0,
+            **cost_figures(runs, out, fwd_cost),
+            "units_isolated": out.finding.queries, "units_not_isolated": len(out.skipped),
+            "ops_replayed": out.replayed_ops,
             "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3),
             "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
             **({"noise_s": round(noise_s, 3)} if noise else {}),
-            "plain_forward_s": round(plain_forward_s, 6),
-            "wall_over_forward": round(wall_s / plain_forward_s, 1) if plain_forward_s > 0 else None}
+            **({"plain_forward_s": round(plain_forward_s, 6),
+                "wall_over_forward": round(wall_s / plain_forward_s, 1) if plain_forward_s > 0 else None}
+               if plain_forward_s is not None else {}),
+            "host_memory": {"budget": sink.budget, "held_bytes": sink.held_bytes,
+                            "spilled_bytes": sink.spilled_bytes}}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
                       input_check=input_check)
     result.noise = noise_json
@@ -388,8 +443,10 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
                             module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
                             run_cost=fwd_cost, has_backward=has_backward)
         result.cost["wall_s"] = round(time.perf_counter() - started, 3)
+        result.cost["steps"] = round(result.cost["forward_equivalents"] / fwd_cost, 2)
     if in_place:
         result.notes.append(f"modules compiled in place with Module.compile() ({', '.join(s or '<root>' for s in in_place)}) "
                             "were bisected eagerly, not checked as compiled regions: wrap them with "
                             "torch.compile(module) instead")
+    sink.cleanup()
     return result

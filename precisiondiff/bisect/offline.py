@@ -127,6 +127,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         >>> r = bisect_dump("runs/mlu", workload="examples/tiny_transformer.py:build_with_bug")  # doctest: +SKIP
     """
     from ..runtime.workload import load_workload
+    from .cost import cost_figures, step_cost
     from .live import check_options, run_reference
     overrides = check_options(direction, budgets)
     started = time.perf_counter()
@@ -166,18 +167,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         keys = set(rd.keys())
         ref_tensor = lambda key: rd.tensor(key) if key in keys and rd.record(key).has_data else None
         ref_runs = 0
-    elif wl is not None:
-        ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events)
-        ref_output, ref_grads = ref_result.output, {n: p.grad for n, p in ref_result.model.named_parameters()
-                                                    if p.grad is not None}
-        notes += ref_notes
-        ref_runs = 1
     else:
         ref_runs = 0
-    dut_output, dut_grads = finals_of(events)
-    final = None
-    if ref_output is not None and dut_output is not None:
-        final = final_errors(dut_output, None, dut_grads, ref_output, None, ref_grads or {})
 
     out = run_search(EngineInput(
         events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
@@ -185,6 +176,17 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction, max_candidates=max_candidates,
         progress=progress, overrides=overrides))
+    if ref_dump is None and wl is not None:  # after the search: only the culprit's scope is kept
+        culprit_ev = out.units[out.finding.culprit] if out.finding.culprit is not None else None
+        ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events, evidence_for=culprit_ev)
+        ref_output, ref_grads = ref_result.output, {n: p.grad for n, p in ref_result.model.named_parameters()
+                                                    if p.grad is not None}
+        notes += ref_notes
+        ref_runs = 1
+    dut_output, dut_grads = finals_of(events)
+    final = None
+    if ref_output is not None and dut_output is not None:
+        final = final_errors(dut_output, None, dut_grads, ref_output, None, ref_grads or {})
     confirmation: Dict[str, Any] = {"final_error_before": final["final"] if final else None,
                                     "final_error_after_substitution": None, "detail_before": final}
     evidence = None
@@ -192,10 +194,11 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         notes.append("substitution not run: it reruns the DUT (run live bisect on the DUT machine)")
         evidence = input_evidence(out.units[out.finding.culprit], ref_tensor, dut.dtype)
     wall_s = time.perf_counter() - started
+    step = step_cost(any(e.direction == "backward" for e in events))
     cost = {"dut_runs": 0, "ref_runs": ref_runs,
-            "forward_equivalents": round(ref_runs * (3.0 if ref_grads else 1.0)
-                                         + out.replayed_ops / out.forward_ops, 2),
-            "units_isolated": out.finding.queries, "ops_replayed": out.replayed_ops,
+            **cost_figures({"reference": step * ref_runs}, out, step),
+            "units_isolated": out.finding.queries, "units_not_isolated": len(out.skipped),
+            "ops_replayed": out.replayed_ops,
             "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3)}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
                       notes=notes, input_check=evidence)

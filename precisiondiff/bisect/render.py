@@ -77,8 +77,9 @@ def summary_lines(r: BisectResult) -> List[str]:
     for n in r.notes:
         lines.append(f"note: {n}")
     cost = r.cost
+    steps = f"{_num(cost.get('steps'))} steps of the workload = " if cost.get("steps") is not None else ""
     lines.append(f"cost: {cost.get('dut_runs')} DUT runs, {cost.get('ref_runs')} reference runs, "
-                 f"{_num(cost.get('forward_equivalents'))} forward-equivalents, {_num(cost.get('wall_s'))} s")
+                 f"{steps}{_num(cost.get('forward_equivalents'))} forward-equivalents, {_num(cost.get('wall_s'))} s")
     return lines
 
 

@@ -38,7 +38,8 @@ class BisectResult:
         evidence: why the culprit's inputs can be trusted (units before it that passed).
         growth: for ``accumulated``: modules with the largest local error, largest first.
         unreplayable: op names that could not be replayed on the reference.
-        final_error, parity_bound: the DUT's final error and the bound for parity.
+        final_error, parity_bound: the DUT's final error and the bound for parity; the final
+            error is None when the reference did not run (a culprit found, not confirmed).
         notes: sentences for the reader (substitution too weak, unresolved ops...).
         compiled: for a model with ``torch.compile`` regions: ``{"regions": [...], "final_error"}``
             (docs/bisect.md, "torch.compile regions"); None otherwise (and absent from the JSON).
@@ -62,7 +63,7 @@ class BisectResult:
     evidence: Dict[str, Any] = field(default_factory=dict)
     growth: List[Dict[str, Any]] = field(default_factory=list)
     unreplayable: List[str] = field(default_factory=list)
-    final_error: float = 0.0
+    final_error: Optional[float] = 0.0
     parity_bound: float = 0.0
     notes: List[str] = field(default_factory=list)
     compiled: Optional[Dict[str, Any]] = None

@@ -23,7 +23,13 @@ The rules (docs/bisect.md, "How the culprit is chosen"):
   more offending ops are known); then modules **top-down**: the top-level module calls, and the
   children of every module that is ``over`` (or not replayable, or around an unreplayable op).
   A module within what rounding explains is not descended into: a module-level fault inside it
-  would have shown in its own error (the assumption property tests encode).
+  would have shown in its own error (the assumption property tests encode); one around an
+  unreplayable op is descended into only towards that op.
+* Once an op offends, modules that run after it (in the order above) and hold no module that
+  runs before it are not isolated: none of them can be the culprit, so further candidates are
+  ops only; the modules around the first offending op are not isolated either (they hold an
+  offending unit, so they cannot offend): the descent goes into their children as if they were
+  over (``judge_after_culprit=True`` isolates them all, as before).
 """
 from __future__ import annotations
 
@@ -100,6 +106,8 @@ class Search:
     Args:
         units: every unit of the run (any order; parents must be among them or None).
         max_candidates: offending units to find after the culprit before stopping.
+        judge_after_culprit: also isolate modules that run after the first offending op
+            (further module candidates; they cannot change the culprit).
 
     Example:
         >>> s = Search([Unit(0, "op", parent=1), Unit(1, "module")])
@@ -109,7 +117,7 @@ class Search:
         0
     """
 
-    def __init__(self, units: Sequence[Unit], *, max_candidates: int = 3) -> None:
+    def __init__(self, units: Sequence[Unit], *, max_candidates: int = 3, judge_after_culprit: bool = False) -> None:
         self.units: Dict[int, Unit] = {u.uid: u for u in units}
         if len(self.units) != len(units):
             raise ValueError("unit ids must be unique")
@@ -119,6 +127,8 @@ class Search:
             if u.parent is not None and (u.parent not in self.units or self.units[u.parent].kind != "module"):
                 raise ValueError(f"unit {u.uid}: parent {u.parent} is not a module unit")
         self.max_candidates = max_candidates
+        self.judge_after_culprit = judge_after_culprit
+        self.skipped: List[int] = []  # modules not isolated: they run after the culprit op
         self.children: Dict[Optional[int], List[int]] = {}
         for u in sorted(units, key=_order_key):
             if u.kind == "module":
@@ -141,10 +151,58 @@ class Search:
         """The uid of the unit to isolate next, or None when the search is over."""
         if not self._ops_done():
             return self._ops[self._op_pos]
-        if not self._queue:
+        while True:
+            self._queue.sort(key=lambda uid: _order_key(self.units[uid]))
+            if not self._queue:
+                return None
+            head = self._queue[0]
+            if self.moot(head):
+                self.skipped.append(self._queue.pop(0))
+            elif self._holds_first_offender(head):  # covered: descend without isolating it
+                self.skipped.append(self._queue.pop(0))
+                self._descend(head)
+            else:
+                return head
+
+    def will_judge(self, uid: int) -> bool:
+        """Whether the module ``uid`` (once queued) is isolated, as far as known now."""
+        return not self.moot(uid) and not self._holds_first_offender(uid)
+
+    def _first_offender(self) -> Optional[int]:
+        if not self._op_offending:
             return None
-        self._queue.sort(key=lambda uid: _order_key(self.units[uid]))
-        return self._queue[0]
+        return min(self._op_offending, key=lambda u: _order_key(self.units[u]))
+
+    def _holds_first_offender(self, uid: int) -> bool:
+        """A module around the first offending op cannot offend (an offending unit is inside
+        it), so it is not isolated; the descent goes on into its children as if it were over
+        (``judge_after_culprit=False``)."""
+        first = None if self.judge_after_culprit else self._first_offender()
+        parent = self.units[first].parent if first is not None else None
+        while parent is not None:
+            if parent == uid:
+                return True
+            parent = self.units[parent].parent
+        return False
+
+    def _descend(self, uid: int, only: Optional[set] = None) -> None:
+        for child in self.children.get(uid, []):
+            if child not in self._queued and (only is None or child in only):
+                self._queued.add(child)
+                self._queue.append(child)
+
+    def moot(self, uid: int) -> bool:
+        """A module that runs after the first offending op and holds no module that runs before
+        it: it cannot be the culprit (that op comes first) and judging it cannot lead to a unit
+        that could, so it is not isolated (``judge_after_culprit=False``)."""
+        if self.judge_after_culprit or not self._op_offending:
+            return False
+        if self._holds_first_offender(uid):
+            return False
+        first = _order_key(self.units[self._first_offender()])
+        if _order_key(self.units[uid]) < first:
+            return False
+        return all(_order_key(self.units[c]) > first for c in self.children.get(uid, []))
 
     def record(self, uid: int, judgement: Judgement) -> None:
         """Feed the judgement of the unit :meth:`next_query` returned."""
@@ -165,11 +223,10 @@ class Search:
         # up to its parent; one whose ops were all judged on their own has nothing to hand up
         if not judgement.replayable and self._holds_unreplayable.get(uid, False):
             self._mark_unreplayable(unit)
-        if not judgement.replayable or judgement.over or uid in self._forced:
-            for child in self.children.get(uid, []):
-                if child not in self._queued:
-                    self._queued.add(child)
-                    self._queue.append(child)
+        if not judgement.replayable or judgement.over:
+            self._descend(uid)
+        elif uid in self._forced:  # within rounding: only on towards the unreplayable op
+            self._descend(uid, only=self._forced)
 
     def _mark_unreplayable(self, unit: Unit) -> None:
         """Hand an unreplayable unit to its innermost replayable ancestor; force the descent

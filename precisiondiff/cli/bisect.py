@@ -51,9 +51,13 @@ def _progress():
 @click.option("--noise", is_flag=True, default=False,
               help="live: run the DUT twice; a nondeterministic op within 2x its run-to-run difference "
                    "is not a culprit")
+@click.option("--confirm", is_flag=True, default=False,
+              help="live: with a culprit, also run the reference (final error, the culprit's inputs against "
+                   "it) and rerun the DUT with the culprit's golden output (substitution)")
 @click.option("--card", "card_path", type=click.Path(dir_okay=False), default=None,
               help="a numerics card of the DUT (precisiondiff probe -o CARD.json): explain the culprit by it")
-def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets, noise, card_path) -> None:
+def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets, noise, confirm,
+           card_path) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, or DUT_DUMP [REF_DUMP])."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank, ranks_summary_lines
@@ -77,6 +81,9 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
     if offline and noise:
         raise BisectError("--noise applies to live bisect (it reruns the workload); for dumps, capture the DUT "
                           "twice and use precisiondiff compare --noise")
+    if offline and confirm:
+        raise BisectError("--confirm applies to live bisect (substitution reruns the DUT); offline bisect "
+                          "compares with the reference (REF_DUMP or --workload) already")
     card = None
     if card_path is not None:
         from ..probe.card import load_card
@@ -93,7 +100,7 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
                                  budgets=list(budgets), progress=progress)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
-                              budgets=list(budgets), progress=progress, noise=noise)
+                              budgets=list(budgets), progress=progress, noise=noise, confirm=confirm)
     if card is not None and result.culprit:
         from ..probe.explain import explain_culprit
         sentence = explain_culprit(card, result.culprit, result.dut.split("/")[-1].split("+")[0])

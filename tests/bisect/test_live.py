@@ -1,6 +1,8 @@
 """Live bisect on planted-bug models: the exact culprit, or the verdict."""
 from __future__ import annotations
 
+import json as json_module
+
 import pytest
 
 from precisiondiff.bisect import BisectResult, bisect, register_reference
@@ -9,6 +11,7 @@ from precisiondiff.bisect.references import unregister_reference
 from . import planted
 
 EXAMPLE = "examples/tiny_transformer.py"
+PLANTED = "tests/bisect/planted.py"
 
 
 def _culprit(r: BisectResult) -> tuple:
@@ -17,7 +20,7 @@ def _culprit(r: BisectResult) -> tuple:
 
 
 def test_fused_rms_norm_bf16_accumulation_is_named():
-    r = bisect(f"{EXAMPLE}:build_with_bug", target="cpu/bf16")
+    r = bisect(f"{EXAMPLE}:build_with_bug", target="cpu/bf16", confirm=True)
     assert r.verdict == "kernel"
     assert _culprit(r) == ("op", "blocks.0.norm1", "pdexample.fused_rms_norm.default", "forward")
     assert [p["scope"] for p in r.path] == ["", "blocks.0", "blocks.0.norm1"]
@@ -29,6 +32,29 @@ def test_fused_rms_norm_bf16_accumulation_is_named():
     assert set(json["cost"]) >= {"dut_runs", "ref_runs", "forward_equivalents"}
 
 
+def test_unconfirmed_kernel_verdict_costs_one_captured_step_and_the_replays():
+    r = bisect(f"{EXAMPLE}:build_with_bug", target="cpu/bf16")
+    assert _culprit(r) == ("op", "blocks.0.norm1", "pdexample.fused_rms_norm.default", "forward")
+    c = r.cost
+    assert (c["dut_runs"], c["ref_runs"]) == (1, 0)  # the verdict needs no reference run
+    assert r.final_error is None and r.confirmation["final_error_after_substitution"] is None
+    assert any(n.startswith("not confirmed") for n in r.notes)
+    assert set(c["breakdown"]) <= {"dut_capture", "op_golden", "op_magnitude", "op_peers", "module_golden",
+                                   "module_emulated", "module_semantic"}
+    assert c["breakdown"]["dut_capture"] == 3.0  # a forward + backward step
+    assert sum(c["breakdown"].values()) == pytest.approx(c["forward_equivalents"], abs=0.02)
+    assert c["steps"] == pytest.approx(c["forward_equivalents"] / 3, abs=0.01)
+    assert c["steps"] < 2.5  # was 6.1 (timing forward, reference run, substitution, magnitudes)
+
+
+def test_parity_verdict_runs_the_reference_for_its_final_error():
+    r = bisect(planted.mlp_workload, target="cpu/bf16", time_step=True)
+    assert r.verdict == "parity" and 0 < r.final_error <= r.parity_bound
+    assert (r.cost["dut_runs"], r.cost["ref_runs"]) == (1, 1) and r.cost["breakdown"]["reference"] == 3.0
+    # timing the step is asked for: a warm-up and a timed forward, both counted
+    assert r.cost["breakdown"]["timing"] == 2.0 and r.cost["plain_forward_s"] > 0
+
+
 def test_fused_softmax_bf16_accumulation_is_named():
     r = bisect(planted.softmax_workload, target="cpu/bf16")
     assert _culprit(r) == ("op", "1", "pdtest.fused_softmax.default", "forward")
@@ -36,7 +62,7 @@ def test_fused_softmax_bf16_accumulation_is_named():
 
 @pytest.mark.filterwarnings("ignore:Full backward hook")
 def test_autograd_function_wrong_backward_blames_its_module():
-    r = bisect(planted.bad_backward_workload, target="cpu/bf16")
+    r = bisect(planted.bad_backward_workload, target="cpu/bf16", confirm=True)
     assert r.verdict == "kernel"
     assert _culprit(r) == ("module", "scale", "Scale", "backward")
     assert r.confirmation["final_error_after_substitution"] < 0.1 * r.confirmation["final_error_before"]
@@ -111,3 +137,19 @@ def test_bad_budget_override_is_a_bisect_error():
     from precisiondiff.errors import BisectError
     with pytest.raises(BisectError, match="budget override .max_ulps=4.: unknown field"):
         bisect(planted.softmax_workload, target="cpu/bf16", budgets=["max_ulps=4"])
+
+
+def test_cli_confirm_runs_the_reference_and_the_substitution(tmp_path):
+    from click.testing import CliRunner
+    from precisiondiff.cli import cli
+    res = CliRunner().invoke(cli, ["bisect", f"{PLANTED}:softmax_workload", "--target", "cpu/bf16", "--confirm",
+                                   "--format", "json"])
+    out = json_module.loads(res.stdout)
+    assert res.exit_code == 1 and out["culprit"]["name"] == "pdtest.fused_softmax.default"
+    assert (out["cost"]["dut_runs"], out["cost"]["ref_runs"]) == (2, 1)
+    assert out["confirmation"]["final_error_after_substitution"] < out["confirmation"]["final_error_before"]
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "meta.json").write_text("{}")
+    res = CliRunner().invoke(cli, ["bisect", str(dump), "--confirm"])
+    assert res.exit_code == 2 and "--confirm applies to live bisect" in res.stderr

@@ -54,12 +54,12 @@ def _ancestors(units, uid):
     return out
 
 
-def _run(units, bad_ops, far_modules, unreplayable=frozenset()):
+def _run(units, bad_ops, far_modules, unreplayable=frozenset(), **options):
     """An oracle whose errors propagate: every ancestor of a bad unit is over budget."""
     over = set()
     for uid in set(bad_ops) | set(far_modules):
         over.update(_ancestors(units, uid))
-    s = Search(units)
+    s = Search(units, **options)
     asked = []
     while (uid := s.next_query()) is not None:
         asked.append(uid)
@@ -88,6 +88,32 @@ def test_culprit_is_first_bad_unit_in_execution_order(units, data):
     assert result.queries == len(set(asked)) == len(asked)
     if result.culprit is not None:
         assert result.path == list(reversed(_ancestors(units, result.culprit)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(trees(), st.data())
+def test_modules_after_or_around_the_first_bad_op_are_not_isolated_and_the_culprit_stays(units, data):
+    ops = [u.uid for u in units if u.kind == "op"]
+    mods = [u.uid for u in units if u.kind == "module"]
+    bad_ops = set(data.draw(st.lists(st.sampled_from(ops), max_size=3))) if ops else set()
+    far = set(data.draw(st.lists(st.sampled_from(mods), max_size=2))) if mods else set()
+    far = {m for m in far if not any(m in _ancestors(units, b) for b in bad_ops | (far - {m}))}
+    lean, asked = _run(units, bad_ops, far)
+    full, asked_all = _run(units, bad_ops, far, judge_after_culprit=True)
+    assert lean.culprit == full.culprit and set(asked) <= set(asked_all)
+    if not bad_ops:
+        assert asked == asked_all
+        return
+    by = {u.uid: u for u in units}
+    first = min((_order(by[b]) for b in bad_ops))
+    children = {}
+    for u in units:
+        children.setdefault(u.parent, []).append(u.uid)
+    first_op = min(bad_ops, key=lambda b: _order(by[b]))
+    for uid in asked:  # a module after the first bad op only to reach a module before it
+        assert uid not in _ancestors(units, first_op)  # it holds an offender: it cannot offend
+        if by[uid].kind == "module" and _order(by[uid]) > first:
+            assert any(by[c].kind == "module" and _order(by[c]) < first for c in children.get(uid, []))
 
 
 @settings(max_examples=100, deadline=None)
