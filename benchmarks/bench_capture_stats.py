@@ -3,14 +3,18 @@
     python benchmarks/bench_capture_stats.py [--mib 64] [--repeats 5]
 
 One thread (``torch.set_num_threads(1)``, numba kernels are single-threaded): GB/s per core of
-the tensor's bytes, best of ``--repeats``, measured side by side in one run. "eager" is the
-fallback when numba is missing: min/max, mean, |x| mean, norm, NaN/Inf counts and the fingerprint
-in separate PyTorch passes. Also the cost of one tiny (64-element) tensor through each path.
+the tensor's bytes, measured side by side in one run, the paths interleaved in each repeat. The
+table gives the median over ``--repeats`` of the thread's CPU time (what one core does, less
+sensitive to other jobs sharing the machine), then the wall-time median. "eager" is the fallback
+when numba is missing: min/max, mean, |x| mean, norm, NaN/Inf counts and the fingerprint in
+separate PyTorch passes. Also the cost of one tiny (64-element) tensor through each path, and
+the load average seen.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -32,6 +36,21 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def _interleaved(fns: dict, repeats: int) -> dict:
+    """name -> (median thread CPU seconds, median wall seconds), the functions run in turn."""
+    for fn in fns.values():
+        fn()
+    cpu = {name: [] for name in fns}
+    wall = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            c, w = time.thread_time(), time.perf_counter()
+            fn()
+            cpu[name].append(time.thread_time() - c)
+            wall[name].append(time.perf_counter() - w)
+    return {name: (statistics.median(cpu[name]), statistics.median(wall[name])) for name in fns}
+
+
 def _stats(t: torch.Tensor, fast: bool) -> None:
     batch = StatsBatch(fast=fast)
     batch.get(batch.add(t)) if fast else (batch.add(t), batch.resolve())
@@ -43,25 +62,33 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"numba available: {stats_kernel.AVAILABLE}; one thread; {args.mib} MiB per tensor")
-    print(f"{'dtype':>9} {'copy GB/s':>10} {'fused GB/s':>11} {'eager GB/s':>11} {'fused/eager':>12} "
+    print(f"numba available: {stats_kernel.AVAILABLE}; one thread; {args.mib} MiB per tensor; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("GB/s: median of the thread's CPU time (median of wall time)")
+    print(f"{'dtype':>9} {'copy GB/s':>14} {'fused GB/s':>14} {'eager GB/s':>14} {'fused/eager':>12} "
           f"{'fused/copy':>11} {'tiny fused us':>14} {'tiny eager us':>14}")
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         n = (args.mib << 20) // dtype.itemsize
         t = torch.randn(n).to(dtype)
         dst = torch.empty_like(t)
         nbytes = n * dtype.itemsize
-        t_copy = _best(lambda: dst.copy_(t), args.repeats)
-        t_fused = _best(lambda: _stats(t, True), args.repeats) if stats_kernel.AVAILABLE else float("nan")
-        t_eager = _best(lambda: _stats(t, False), max(1, args.repeats // 2))
+        fns = {"copy": lambda: dst.copy_(t), "eager": lambda: _stats(t, False)}
+        if stats_kernel.AVAILABLE:
+            fns["fused"] = lambda: _stats(t, True)
+        times = _interleaved(fns, args.repeats)
+        nan = (float("nan"), float("nan"))
+        cpu = {name: times.get(name, nan)[0] for name in ("copy", "fused", "eager")}
+        gb = {name: (nbytes / c / 1e9, nbytes / w / 1e9) for name, (c, w) in
+              ((k, times.get(k, nan)) for k in ("copy", "fused", "eager"))}
         tiny = torch.randn(64).to(dtype)
         k = 2000
         tiny_fused = _best(lambda: [_stats(tiny, True) for _ in range(k)], 2) / k * 1e6
         tiny_eager = _best(lambda: [_stats(tiny, False) for _ in range(k)], 2) / k * 1e6
-        gb = lambda s: nbytes / s / 1e9  # noqa: E731
-        print(f"{str(dtype)[6:]:>9} {gb(t_copy):10.2f} {gb(t_fused):11.2f} {gb(t_eager):11.3f} "
-              f"{t_eager / t_fused:12.1f} {t_copy / t_fused:11.2f} {tiny_fused:14.1f} {tiny_eager:14.1f}",
-              flush=True)
+        cell = lambda name: f"{gb[name][0]:6.2f} ({gb[name][1]:5.2f})"  # noqa: E731
+        print(f"{str(dtype)[6:]:>9} {cell('copy'):>14} {cell('fused'):>14} {cell('eager'):>14} "
+              f"{cpu['eager'] / cpu['fused']:12.1f} {cpu['copy'] / cpu['fused']:11.2f} {tiny_fused:14.1f} "
+              f"{tiny_eager:14.1f}", flush=True)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
