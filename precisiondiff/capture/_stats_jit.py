@@ -39,7 +39,10 @@ def _wide(typingctx):  # pragma: no cover - compiled
     """Mark the calling function ``"prefer-vector-width"="512"`` (a no-op where 512-bit vectors
     do not exist). llvmlite only admits a fixed list of attribute names, hence ``set.add``."""
     def codegen(context, builder, sig, args):
-        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        try:
+            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        except Exception:  # noqa: BLE001 - another llvmlite: LLVM's default vector width
+            pass
         return context.get_dummy_value()
     return types.none(), codegen
 

@@ -15,6 +15,7 @@ cached on disk (``cache=True``); four entry points are compiled, on first use.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Tuple
 
@@ -25,6 +26,8 @@ from .. import _numba
 from ..store.fingerprint import PERIOD, salts
 
 __all__ = ["AVAILABLE", "fused_stats", "stats_into", "supports"]
+
+_log = logging.getLogger(__name__)
 
 #: whether the fused kernel can be used (numba installed and not disabled by PRECISIONDIFF_NO_NUMBA;
 #: False after a failed import of the kernels)
@@ -78,7 +81,8 @@ def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> N
 
     Raises:
         RuntimeError: PyTorch cannot expose the tensor's memory to NumPy (conjugate or
-            negative views): use the eager path.
+            negative views), or the kernel failed (then :data:`AVAILABLE` becomes False): use
+            the eager path.
     """
     k = _kernels()
     if k is None:
@@ -86,15 +90,20 @@ def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> N
     if t.requires_grad:
         t = t.detach()
     dtype = t.dtype
-    infinities = _INFINITIES[dtype]
     if dtype is torch.float32:
-        k.stats_f32(_array(t), infinities, _TABLE, _CUMULATIVE, out, fps, row)
+        entry, data = k.stats_f32, _array(t)
     elif dtype is torch.float64:
-        k.stats_f64(_array(t), infinities, _TABLE, _CUMULATIVE, out, fps, row)
-    elif dtype is torch.bfloat16:
-        k.stats_bf16(_array(t.view(torch.int16)), infinities, _TABLE, _CUMULATIVE, out, fps, row)
+        entry, data = k.stats_f64, _array(t)
     else:
-        k.stats_f16(_array(t.view(torch.int16)), infinities, _TABLE, _CUMULATIVE, out, fps, row)
+        entry = k.stats_bf16 if dtype is torch.bfloat16 else k.stats_f16
+        data = _array(t.view(torch.int16))
+    try:
+        entry(data, _INFINITIES[dtype], _TABLE, _CUMULATIVE, out, fps, row)
+    except Exception as err:  # noqa: BLE001 - a kernel that fails to compile (another numba) or run
+        global AVAILABLE
+        AVAILABLE = False  # the eager path from now on: capture never raises into the workload
+        _log.warning("the fused statistics kernel failed (%s): using PyTorch", err)
+        raise RuntimeError(f"the fused statistics kernel failed: {err}") from err
 
 
 def _array(t: torch.Tensor) -> np.ndarray:

@@ -162,3 +162,20 @@ def test_started_read_back_gives_what_resolve_gives():
     for a, b in zip(hd, hs):
         x, y = direct.get(a), started.get(b)
         assert x.keys() == y.keys() and all(x[k] == y[k] or x[k] != x[k] for k in x)
+
+
+def test_a_failing_kernel_turns_the_fast_path_off_and_capture_goes_on(monkeypatch, caplog):
+    """A kernel that fails to compile (another numba) must not raise into the workload: the
+    eager path gives the statistics, now and for every later tensor."""
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args):
+                raise TypeError("cannot compile")
+            return fail
+
+    monkeypatch.setattr(stats_kernel, "_loader", lambda: Broken())
+    monkeypatch.setattr(stats_kernel, "AVAILABLE", True)
+    t = torch.randn(100)
+    f, e = _both(t)
+    assert f == e and not stats_kernel.AVAILABLE
+    assert "the fused statistics kernel failed (cannot compile): using PyTorch" in caplog.text
