@@ -102,7 +102,8 @@ def _segment_sums_int(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return torch.diff(prefix, prepend=prefix.new_zeros(1))
 
 
-def _to_host(stats: torch.Tensor, fps: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, "Optional[torch.Event]"]:
+def _to_host(stats: torch.Tensor, fps: torch.Tensor
+             ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Event]]:
     """Start copying a device's results to the host: into pinned memory without blocking, with
     an event recorded after the copies; (host stats, host fingerprints, event). CPU tensors are
     returned as they are; where pinned memory or events are missing, a blocking copy."""
