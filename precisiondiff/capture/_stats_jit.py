@@ -218,21 +218,40 @@ def _stats(values, bits, infinities, table, cumulative, out, fps, row):  # pragm
     fps[row, 1] = h2
 
 
+@intrinsic
+def _pointer(typingctx, address):  # pragma: no cover - compiled
+    """The memory address ``address`` (an integer) as a ``void*`` for :func:`numba.carray`."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+    return types.voidptr(address), codegen
+
+
+# Entry points: the tensor's memory as (address, element count), which costs ~0.1 us from
+# Python where a NumPy view through DLPack costs ~4 us (most of a small tensor's statistics).
+
+
 @_jit
-def stats_f32(values, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+def stats_f32(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    values = numba.carray(_pointer(address), n, np.float32)
     _stats(values, values.view(np.int32), infinities, table, cumulative, out, fps, row)
 
 
 @_jit
-def stats_f64(values, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+def stats_f64(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    values = numba.carray(_pointer(address), n, np.float64)
     _stats(values, values.view(np.int64), infinities, table, cumulative, out, fps, row)
 
 
 @_jit
-def stats_bf16(bits, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+def stats_bf16(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    bits = numba.carray(_pointer(address), n, np.int16)
     _stats(bits, bits, infinities, table, cumulative, out, fps, row)
 
 
 @_jit
-def stats_f16(bits, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+def stats_f16(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    bits = numba.carray(_pointer(address), n, np.int16)
     _stats(bits.view(np.uint16), bits, infinities, table, cumulative, out, fps, row)

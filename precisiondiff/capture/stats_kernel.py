@@ -59,6 +59,10 @@ def _infinity_keys(dtype: torch.dtype) -> np.ndarray:
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _INFINITIES = {dtype: _infinity_keys(dtype) for dtype in _KINDS}
+_ENTRIES = {torch.float32: "stats_f32", torch.float64: "stats_f64", torch.bfloat16: "stats_bf16",
+            torch.float16: "stats_f16"}
+# tensors whose data_ptr() holds their values; a subclass goes through DLPack, which asks it
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def supports(t: torch.Tensor) -> bool:
@@ -87,18 +91,16 @@ def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> N
     k = _kernels()
     if k is None:
         raise RuntimeError("numba is not available")
-    if t.requires_grad:
-        t = t.detach()
     dtype = t.dtype
-    if dtype is torch.float32:
-        entry, data = k.stats_f32, _array(t)
-    elif dtype is torch.float64:
-        entry, data = k.stats_f64, _array(t)
-    else:
-        entry = k.stats_bf16 if dtype is torch.bfloat16 else k.stats_f16
-        data = _array(t.view(torch.int16))
-    try:
-        entry(data, _INFINITIES[dtype], _TABLE, _CUMULATIVE, out, fps, row)
+    if type(t) in _PLAIN and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
+        data, address, n = t, t.data_ptr(), t.numel()
+    else:  # a row-major copy made by NumPy (no PyTorch op), or a subclass's memory through DLPack
+        data = _array(t.view(torch.int16) if dtype.itemsize == 2 else t)
+        address, n = data.ctypes.data, data.size
+    if not address:
+        raise RuntimeError("the tensor has no memory of its own")
+    try:  # ``data`` holds the memory while the kernel reads it
+        getattr(k, _ENTRIES[dtype])(address, n, _INFINITIES[dtype], _TABLE, _CUMULATIVE, out, fps, row)
     except Exception as err:  # noqa: BLE001 - a kernel that fails to compile (another numba) or run
         global AVAILABLE
         AVAILABLE = False  # the eager path from now on: capture never raises into the workload

@@ -179,3 +179,18 @@ def test_a_failing_kernel_turns_the_fast_path_off_and_capture_goes_on(monkeypatc
     f, e = _both(t)
     assert f == e and not stats_kernel.AVAILABLE
     assert "the fused statistics kernel failed (cannot compile): using PyTorch" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_parameters_and_subclasses_read_their_own_memory(dtype):
+    """Plain tensors and parameters are read at their data pointer; a subclass through DLPack
+    (it decides what its memory is); a transposed parameter through a row-major copy."""
+    class Tagged(torch.Tensor):
+        pass
+
+    base = torch.randn(40, 30, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for t in (torch.nn.Parameter(base.clone()), base.clone().as_subclass(Tagged),
+              torch.nn.Parameter(base.clone()).t()):
+        f, e = _both(t)
+        _assert_same(f, e, t.numel())
+        assert f["fingerprint"] == fingerprint(t.detach())
