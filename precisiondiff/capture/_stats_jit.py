@@ -1,128 +1,257 @@
 """The numba kernels of :mod:`precisiondiff.capture.stats_kernel` (imported on first use:
-importing numba costs about half a second)."""
+importing numba costs about half a second).
+
+The tensor is read in blocks of :data:`_CHUNK` elements that stay in L1; each block goes
+through three loops that LLVM vectorises, each at the element's own width:
+
+* ``_sums``: float64 sum, sum |x|, sum x^2 of the values widened exactly to float64 (bfloat16
+  by a 16-bit shift, float16 by integer arithmetic; no table lookups);
+* ``_extremes``: minimum and maximum of the ordered integer keys of the bit patterns
+  (int16 lanes for the 16-bit formats, int32 for float32, int64 for float64);
+* ``_products``: the fingerprint's products ``A = sum b*S``, ``B = sum b*(b*S)``, from which
+  each fingerprint period adds ``h1 += A + off*sum(S)``, ``h2 += B + off*A`` (the same value,
+  modulo 2**64, as :mod:`precisiondiff.store.fingerprint`'s ``(b + off)*S`` terms).
+
+Each function asks LLVM for 512-bit vectors (:func:`_wide`): x86 tunes for 256-bit vectors by
+default, and the fingerprint's 64-bit products (``vpmullq``) run twice as fast in 512-bit ones.
+"""
 from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
 
-from ..store.fingerprint import _C1
+from ..store.fingerprint import _C1, PERIOD
 
-_CHUNK = 4096  # elements per inner block: each block is read from L1 by every pass
+_CHUNK = 4096  # elements per block: each block is read from L1 by every loop; divides PERIOD
+assert PERIOD % _CHUNK == 0
+
+_HALF_BITS = np.int32(-0x70002000)  # 0x8FFFE000: a float16's sign, exponent and fraction, shifted by 13
+_TWO112 = np.float32(2.0 ** 112)  # 2**(127 - 15)
 
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, error_model="numpy")
 
 
+@intrinsic
+def _wide(typingctx):  # pragma: no cover - compiled
+    """Mark the calling function ``"prefer-vector-width"="512"`` (a no-op where 512-bit vectors
+    do not exist). llvmlite only admits a fixed list of attribute names, hence ``set.add``."""
+    def codegen(context, builder, sig, args):
+        try:
+            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        except Exception:  # noqa: BLE001 - another llvmlite: LLVM's default vector width
+            pass
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def _bitcast(typingctx, x):  # pragma: no cover - compiled
+    """The float32 (int32) or float64 (int64) with the same bits as ``x``."""
+    target = {types.int32: types.float32, types.int64: types.float64}.get(x)
+    if target is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType() if target == types.float32 else ir.DoubleType())
+    return target(x), codegen
+
+
+def _value(x):  # pragma: no cover - typed by the overload below
+    """The float64 value of one element: a float, or the bits of a bfloat16 (int16) or float16
+    (uint16)."""
+
+
+@overload(_value, jit_options={"cache": True})
+def _value_impl(x):  # pragma: no cover - compiled
+    if x == types.int16:  # bfloat16: the high half of a float32
+        return lambda x: np.float64(_bitcast(np.int32(np.int32(x) << 16)))
+    if x == types.uint16:  # float16, exactly, without float denormals (safe under DAZ/FTZ)
+        def half(x):
+            h = np.int32(x)
+            o = (h & 0x7FFF) << 13
+            e = o & 0x0F800000
+            o += 0x38000000  # rebias the exponent: 127 - 15
+            if e == 0x0F800000:  # Inf/NaN: exponent all ones
+                o += 0x38000000
+            v = np.float64(_bitcast(np.int32(o)))
+            if e == 0:  # zero or subnormal: m * 2**-24 = (2**-14 * (1 + m/1024)) - 2**-14
+                v = np.float64(_bitcast(np.int32(o + 0x00800000))) - 6.103515625e-05
+            return -v if h & 0x8000 else v
+        return half
+    if isinstance(x, types.Float):
+        return lambda x: np.float64(x)
+    return None
+
+
+def _quick(x):  # pragma: no cover - typed by the overload below
+    """:func:`_value`, faster for a float16 that is finite, where floats keep their denormals:
+    its bits moved into a float32's (a subnormal half lands on a float32 denormal) times 2**112."""
+
+
+@overload(_quick, jit_options={"cache": True})
+def _quick_impl(x):  # pragma: no cover - compiled
+    if x == types.uint16:
+        return lambda x: np.float64(_bitcast(np.int32((np.int32(np.int16(x)) << 13) & _HALF_BITS)) * _TWO112)
+    return lambda x: _value(x)
+
+
 @_jit
-def _sums(values, out):  # pragma: no cover - compiled
+def _sums(values, out, careful):  # pragma: no cover - compiled
     """out[2..6] += sum, sum|x|, sum x^2 (float64), then NaN and Inf counts, which are only
-    counted when sum|x| is not finite (no NaN or Inf otherwise: the common case)."""
+    counted when sum|x| is not finite (no NaN or Inf otherwise: the common case).
+    ``careful``: the block may hold an Inf or NaN, or floats flush denormals (float16 only)."""
+    _wide()
     s = sa = s2 = 0.0
-    for k in range(values.shape[0]):
-        v = np.float64(values[k])
-        s += v
-        sa += abs(v)
-        s2 += v * v
+    if careful:
+        for k in range(values.shape[0]):
+            v = _value(values[k])
+            s += v
+            sa += abs(v)
+            s2 += v * v
+    else:
+        for k in range(values.shape[0]):
+            v = _quick(values[k])
+            s += v
+            sa += abs(v)
+            s2 += v * v
     out[2] += s
     out[3] += sa
     out[4] += s2
     if not np.isfinite(sa):
         nan = inf = 0.0
         for k in range(values.shape[0]):
-            v = np.float64(values[k])
+            v = _value(values[k])
             nan += 1.0 if v != v else 0.0
             inf += 1.0 if abs(v) == np.inf else 0.0
         out[5] += nan
         out[6] += inf
 
 
+def _key(b):  # pragma: no cover - typed by the overload below
+    """The ordered key of a bit pattern, at its width: ``b`` flipped below the sign bit when
+    negative, so that integer order is float order (-0 below +0). The map is an involution."""
+
+
+@overload(_key, jit_options={"cache": True})
+def _key_impl(b):  # pragma: no cover - compiled
+    # numba widens small integers to int64 in arithmetic: cast back, or the loop runs in int64 lanes
+    if b == types.int16:
+        return lambda b: np.int16(b ^ ((b >> 15) & 0x7FFF))
+    if b == types.int32:
+        return lambda b: np.int32(b ^ ((b >> 31) & 0x7FFFFFFF))
+    if b == types.int64:
+        return lambda b: b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
+    return None
+
+
 @_jit
-def _int_pass(bits, sign, table, off, acc):  # pragma: no cover - compiled
-    """Ordered-key minimum and maximum (``b ^ ((b >> w-1) & sign)``: integer order = float
-    order, -0 below +0) and the fingerprint sums of one chunk within one period."""
-    lo, hi = acc[0], acc[1]
-    a1 = np.int64(0)
-    a2 = np.int64(0)
+def _extremes(bits, lo, hi):  # pragma: no cover - compiled
+    """Minimum and maximum ordered key of a block, from ``lo`` and ``hi``."""
+    _wide()
     for k in range(bits.shape[0]):
-        b = np.int64(bits[k])
-        key = b ^ ((b >> 63) & sign)
+        key = _key(bits[k])
         lo = min(lo, key)
         hi = max(hi, key)
-        y = (b + off) * table[k]
-        a1 += y
-        a2 += y * b
-    acc[0], acc[1] = lo, hi
-    acc[2] += a1
-    acc[3] += a2
+    return lo, hi
 
 
 @_jit
-def _finish(acc, sign, width, lut, out, fps, row):  # pragma: no cover - compiled
-    """Decode the ordered keys of the extremes (the map is an involution) to their values."""
-    wide = np.empty(1, dtype=np.int64)
-    narrow = np.empty(1, dtype=np.int32)
-    for i in range(2):
-        key = acc[i]
-        b = key ^ ((key >> 63) & sign)
-        if width == 64:
-            wide[0] = b
-            out[row, i] = wide.view(np.float64)[0]
-        elif width == 32:
-            narrow[0] = np.int32(b)
-            out[row, i] = np.float64(narrow.view(np.float32)[0])
-        else:
-            out[row, i] = np.float64(lut[b & 0xFFFF])
-    fps[row, 0] = acc[2]
-    fps[row, 1] = acc[3]
+def _products(bits, table):  # pragma: no cover - compiled
+    """``sum b*S`` and ``sum b*(b*S)`` modulo 2**64 over one block of one period."""
+    _wide()
+    a = np.int64(0)
+    q = np.int64(0)
+    for k in range(bits.shape[0]):
+        b = np.int64(bits[k])
+        p = b * table[k]
+        a += p
+        q += p * b
+    return a, q
 
 
 @_jit
-def _stats_wide(values, bits, sign, width, table, lut, out, fps, row):  # pragma: no cover - compiled
-    """float32/float64: ``values`` and ``bits`` view the same memory."""
-    n = values.shape[0]
-    acc = np.empty(4, dtype=np.int64)
-    acc[0] = np.iinfo(np.int64).max
-    acc[1] = np.iinfo(np.int64).min
-    acc[2] = acc[3] = 0
-    o = out[row]
-    o[:] = 0.0
-    for start in range(0, n, _CHUNK):
-        stop = min(n, start + _CHUNK)
-        _sums(values[start:stop], o)
-        r = start & 65535
-        off = np.int64(start >> 16) * np.int64(_C1) + np.int64(1)
-        _int_pass(bits[start:stop], sign, table[r:r + stop - start], off, acc)
-    _finish(acc, sign, width, lut, out, fps, row)
-
-
-@_jit
-def _stats_f32(values, table, out, fps, row):  # pragma: no cover - compiled
-    _stats_wide(values, values.view(np.int32), 0x7FFFFFFF, 32, table, table, out, fps, row)
-
-
-@_jit
-def _stats_f64(values, table, out, fps, row):  # pragma: no cover - compiled
-    _stats_wide(values, values.view(np.int64), 0x7FFFFFFFFFFFFFFF, 64, table, table, out, fps, row)
-
-
-@_jit
-def _stats_16(bits, lut, table, out, fps, row):  # pragma: no cover - compiled
-    """16-bit floats, widened to float32 through a 65536-entry table (faster than bit
-    shifts here: the table stays in L2)."""
+def _stats(values, bits, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    """Statistics and fingerprint of a flat tensor: ``values`` (float32/float64, or the int16
+    bits of a bfloat16, the uint16 bits of a float16) and ``bits`` view the same memory;
+    ``infinities``: the keys of +Inf and -Inf (beyond them: NaN); ``cumulative[r] = S[0] +
+    ... + S[r-1]`` (mod 2**64)."""
+    _wide()
+    # floats that flush denormals (DAZ, e.g. torch.set_flush_denormal(True)) read 2**-149 as 0;
+    # the 1 comes from memory so that LLVM cannot fold the probe
+    flushes = _bitcast(np.int32(cumulative[0] + 1)) * _TWO112 == 0
     n = bits.shape[0]
-    fwide = np.empty(min(n, _CHUNK), dtype=np.float32)
-    acc = np.empty(4, dtype=np.int64)
-    acc[0] = np.iinfo(np.int64).max
-    acc[1] = np.iinfo(np.int64).min
-    acc[2] = acc[3] = 0
     o = out[row]
     o[:] = 0.0
-    for start in range(0, n, _CHUNK):
-        stop = min(n, start + _CHUNK)
-        m = stop - start
-        for k in range(m):
-            fwide[k] = lut[np.uint16(bits[start + k])]
-        _sums(fwide[:m], o)
-        r = start & 65535
-        off = np.int64(start >> 16) * np.int64(_C1) + np.int64(1)
-        _int_pass(bits[start:stop], 0x7FFF, table[r:r + m], off, acc)
-    _finish(acc, 0x7FFF, 16, lut, out, fps, row)
+    keys = np.empty(2, dtype=bits.dtype)  # typed at the element's width
+    keys[0] = np.iinfo(bits.dtype).max  # neutral for min
+    keys[1] = np.iinfo(bits.dtype).min
+    lo, hi = keys[0], keys[1]
+    neutral_lo, neutral_hi = lo, hi
+    h1 = np.int64(0)
+    h2 = np.int64(0)
+    for first in range(0, n, PERIOD):
+        last = min(n, first + PERIOD)
+        a = np.int64(0)
+        q = np.int64(0)
+        for start in range(first, last, _CHUNK):
+            stop = min(last, start + _CHUNK)
+            block_lo, block_hi = _extremes(bits[start:stop], neutral_lo, neutral_hi)
+            lo = min(lo, block_lo)
+            hi = max(hi, block_hi)
+            special = block_hi >= infinities[0] or block_lo <= infinities[1]
+            _sums(values[start:stop], o, special or flushes)
+            da, dq = _products(bits[start:stop], table[start - first:stop - first])
+            a += da
+            q += dq
+        off = np.int64(first // PERIOD) * np.int64(_C1) + np.int64(1)
+        h1 += a + off * cumulative[last - first]
+        h2 += q + off * a
+    keys[0] = _key(lo)
+    keys[1] = _key(hi)
+    decoded = keys.view(values.dtype)
+    o[0] = _value(decoded[0])
+    o[1] = _value(decoded[1])
+    fps[row, 0] = h1
+    fps[row, 1] = h2
+
+
+@intrinsic
+def _pointer(typingctx, address):  # pragma: no cover - compiled
+    """The memory address ``address`` (an integer) as a ``void*`` for :func:`numba.carray`."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+    return types.voidptr(address), codegen
+
+
+# Entry points: the tensor's memory as (address, element count), which costs ~0.1 us from
+# Python where a NumPy view through DLPack costs ~4 us (most of a small tensor's statistics).
+
+
+@_jit
+def stats_f32(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    values = numba.carray(_pointer(address), n, np.float32)
+    _stats(values, values.view(np.int32), infinities, table, cumulative, out, fps, row)
+
+
+@_jit
+def stats_f64(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    values = numba.carray(_pointer(address), n, np.float64)
+    _stats(values, values.view(np.int64), infinities, table, cumulative, out, fps, row)
+
+
+@_jit
+def stats_bf16(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    bits = numba.carray(_pointer(address), n, np.int16)
+    _stats(bits, bits, infinities, table, cumulative, out, fps, row)
+
+
+@_jit
+def stats_f16(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    bits = numba.carray(_pointer(address), n, np.int16)
+    _stats(bits.view(np.uint16), bits, infinities, table, cumulative, out, fps, row)

@@ -8,8 +8,9 @@ Small tensors (most of a model's ops) are snapshotted with one copy when recorde
 *together* at read-back: one concatenation and a dozen segmented reductions per (device, dtype)
 group instead of a dozen kernel launches per tensor. Large tensors are reduced immediately (the
 launch cost is negligible next to their work, and snapshotting them would double memory).
-Either way the results reach the host in one copy per device per batch: capture never
-synchronizes per tensor.
+Either way the results reach the host in one copy per device per batch, into pinned memory
+without blocking (:meth:`StatsBatch.start`); reading them waits for that copy only: capture
+never synchronizes per tensor.
 
 On the CPU, when numba is installed (``precisiondiff[fast]``), floating tensors take the fused
 kernel of :mod:`precisiondiff.capture.stats_kernel` instead, at once: one pass over the
@@ -101,6 +102,25 @@ def _segment_sums_int(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return torch.diff(prefix, prepend=prefix.new_zeros(1))
 
 
+def _to_host(stats: torch.Tensor, fps: torch.Tensor
+             ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Event]]:
+    """Start copying a device's results to the host: into pinned memory without blocking, with
+    an event recorded after the copies; (host stats, host fingerprints, event). CPU tensors are
+    returned as they are; where pinned memory or events are missing, a blocking copy."""
+    if stats.device.type == "cpu":
+        return stats, fps, None
+    try:
+        stream = torch.accelerator.current_stream(stats.device)  # where the copies are queued
+        done = torch.Event(device=stats.device)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (stats, fps)]
+    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError):
+        return stats.cpu(), fps.cpu(), None
+    host[0].copy_(stats, non_blocking=True)
+    host[1].copy_(fps, non_blocking=True)
+    done.record(stream)
+    return host[0], host[1], done
+
+
 class StatsBatch:
     """Collects device-side statistics; :meth:`resolve` reads them all back at once.
 
@@ -119,6 +139,8 @@ class StatsBatch:
         self._large: Dict[torch.device, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._small: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
         self._results: Dict[int, dict] = {}
+        # started read-backs: (handles, host stats, host fingerprints, copy-done event or None)
+        self._inflight: List[Tuple[List[int], torch.Tensor, torch.Tensor, Optional[torch.Event]]] = []
         self._next = 0
         self.pending_elements = 0
 
@@ -163,9 +185,11 @@ class StatsBatch:
                 self._large.setdefault(t.device, []).append((handle, vec, fp))
         return handle
 
-    def resolve(self) -> None:
-        """Reduce the queued small tensors, then one host copy per device for everything."""
-        self._resolve_fused()
+    def start(self) -> None:
+        """Reduce the queued small tensors and start copying every device's results to the host
+        (one copy into pinned memory per device, without blocking); :meth:`resolve` waits for
+        them. Calling this when a batch is full and :meth:`resolve` a batch later lets the
+        device run on while its statistics travel."""
         per_device: Dict[torch.device, List[Tuple[List[int], torch.Tensor, torch.Tensor]]] = {}
         with torch.no_grad():
             for (device, _), items in self._small.items():
@@ -177,16 +201,26 @@ class StatsBatch:
                 per_device.setdefault(device, []).append(([h for h, _, _ in items], stats, fps))
             for groups in per_device.values():
                 handles = [h for hs, _, _ in groups for h in hs]
-                stats = torch.cat([s for _, s, _ in groups]).cpu().tolist()
-                fps = torch.cat([f for _, _, f in groups]).cpu().tolist()
-                for handle, row, fp in zip(handles, stats, fps):
-                    result = dict(zip(STAT_FIELDS, row))
-                    result["nan"], result["inf"] = int(row[5]), int(row[6])
-                    result["fingerprint"] = fingerprint_hex(fp)
-                    self._results[handle] = result
+                stats = torch.cat([s for _, s, _ in groups])
+                fps = torch.cat([f for _, _, f in groups])
+                self._inflight.append((handles, *_to_host(stats, fps)))
         self._small.clear()
         self._large.clear()
         self.pending_elements = 0
+
+    def resolve(self) -> None:
+        """Reduce the queued small tensors, then one host copy per device for everything."""
+        self._resolve_fused()
+        self.start()
+        for handles, stats, fps, done in self._inflight:
+            if done is not None:
+                done.synchronize()  # this copy only, not the whole device
+            for handle, row, fp in zip(handles, stats.tolist(), fps.tolist()):
+                result = dict(zip(STAT_FIELDS, row))
+                result["nan"], result["inf"] = int(row[5]), int(row[6])
+                result["fingerprint"] = fingerprint_hex(fp)
+                self._results[handle] = result
+        self._inflight.clear()
 
     def _resolve_fused(self) -> None:
         if not self._fused:
@@ -213,6 +247,7 @@ class StatsBatch:
 
     def clear(self) -> None:
         self._fused.clear()
+        self._inflight.clear()
         self._small.clear()
         self._large.clear()
         self._results.clear()

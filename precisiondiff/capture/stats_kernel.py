@@ -2,65 +2,72 @@
 
 :func:`fused_stats` reads each element once and returns what the eager path of
 :mod:`precisiondiff.capture.stats` computes with about a dozen passes: ``min, max, sum,
-sum |x|, sum x^2, NaN count, Inf count`` (float64 accumulation) and the two 64-bit words of
-:mod:`precisiondiff.store.fingerprint` (exact: integer arithmetic modulo 2**64, the same
-value in any order). Sums are accumulated in a different order from PyTorch's reductions,
-so ``mean``, ``abs_mean`` and ``norm`` may differ from the eager path's in the last bits of
-float64; minimum, maximum, counts and fingerprint are identical.
+sum |x|, sum x^2, NaN count, Inf count`` (float64 accumulation of the exact float64 value of
+every element) and the two 64-bit words of :mod:`precisiondiff.store.fingerprint` (exact:
+integer arithmetic modulo 2**64, the same value in any order). Sums are accumulated in a
+different order from PyTorch's reductions, so ``mean``, ``abs_mean`` and ``norm`` may differ
+from the eager path's in the last bits of float64; minimum, maximum, counts and fingerprint
+are identical.
 
 numba is an optional dependency (``pip install precisiondiff[fast]``): without it,
 :data:`AVAILABLE` is False and the callers use the eager PyTorch path. Compiled code is
-cached on disk (``cache=True``); four signatures are compiled, on first use.
+cached on disk (``cache=True``); four entry points are compiled, on first use.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
+import logging
+import math
 from typing import Tuple
 
 import numpy as np
 import torch
 
+from .. import _numba
 from ..store.fingerprint import PERIOD, salts
 
 __all__ = ["AVAILABLE", "fused_stats", "stats_into", "supports"]
 
-#: whether the fused kernel can be used (numba installed and not disabled by PRECISIONDIFF_NO_NUMBA)
-AVAILABLE = importlib.util.find_spec("numba") is not None and not os.environ.get("PRECISIONDIFF_NO_NUMBA")
-_jit = None
+_log = logging.getLogger(__name__)
+
+#: whether the fused kernel can be used (numba installed and not disabled by PRECISIONDIFF_NO_NUMBA;
+#: False after a failed import of the kernels)
+AVAILABLE = _numba.ENABLED
+_loader = _numba.Kernels(__name__.rpartition(".")[0] + "._stats_jit")
 
 
 def _kernels():
     """The compiled kernels, imported on first use; None (and AVAILABLE False) when that fails."""
-    global _jit, AVAILABLE
-    if _jit is None and AVAILABLE:
-        try:
-            from . import _stats_jit
-        except Exception:  # noqa: BLE001 - a broken numba install: the eager path
-            AVAILABLE = False
-            return None
-        _jit = _stats_jit
-    return _jit
+    global AVAILABLE
+    kernels = _loader() if AVAILABLE else None
+    AVAILABLE = kernels is not None
+    return kernels
 
 
-_LUTS: dict = {}
 _TABLE = salts("cpu").numpy()  # 1 ms (store.fingerprint builds it with NumPy)
 assert _TABLE.shape[0] == PERIOD
+# _CUMULATIVE[r] = S[0] + ... + S[r-1] modulo 2**64 (NumPy's uint64 sums wrap)
+_CUMULATIVE = np.concatenate([np.zeros(1, np.uint64), np.cumsum(_TABLE.view(np.uint64))]).view(np.int64)
 _KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def _infinity_keys(dtype: torch.dtype) -> np.ndarray:
+    """The ordered keys (see ``_stats_jit._key``) of +Inf and -Inf in ``dtype``'s bits."""
+    bits = torch.tensor([math.inf, -math.inf], dtype=dtype).view(_INT[dtype.itemsize]).numpy()
+    width = 8 * dtype.itemsize
+    return bits ^ ((bits >> (width - 1)) & np.array((1 << (width - 1)) - 1, dtype=bits.dtype))
+
+
+_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INFINITIES = {dtype: _infinity_keys(dtype) for dtype in _KINDS}
+_ENTRIES = {torch.float32: "stats_f32", torch.float64: "stats_f64", torch.bfloat16: "stats_bf16",
+            torch.float16: "stats_f16"}
+# tensors whose data_ptr() holds their values; a subclass goes through DLPack, which asks it
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def supports(t: torch.Tensor) -> bool:
     """Whether :func:`stats_into` handles ``t`` (a CPU float16/bfloat16/float32/float64 tensor)."""
     return AVAILABLE and t.dtype in _KINDS and t.device.type == "cpu"
-
-
-def _lut(dtype: torch.dtype) -> np.ndarray:
-    """float32 value of every 16-bit pattern of ``dtype``."""
-    lut = _LUTS.get(dtype)
-    if lut is None:
-        codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
-        lut = _LUTS[dtype] = codes.view(dtype).to(torch.float32).numpy()
-    return lut
 
 
 def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> None:
@@ -78,20 +85,27 @@ def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> N
 
     Raises:
         RuntimeError: PyTorch cannot expose the tensor's memory to NumPy (conjugate or
-            negative views): use the eager path.
+            negative views), or the kernel failed (then :data:`AVAILABLE` becomes False): use
+            the eager path.
     """
     k = _kernels()
     if k is None:
         raise RuntimeError("numba is not available")
-    if t.requires_grad:
-        t = t.detach()
     dtype = t.dtype
-    if dtype is torch.float32:
-        k._stats_f32(_array(t), _TABLE, out, fps, row)
-    elif dtype is torch.float64:
-        k._stats_f64(_array(t), _TABLE, out, fps, row)
-    else:
-        k._stats_16(_array(t.view(torch.int16)), _lut(dtype), _TABLE, out, fps, row)
+    if type(t) in _PLAIN and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
+        data, address, n = t, t.data_ptr(), t.numel()
+    else:  # a row-major copy made by NumPy (no PyTorch op), or a subclass's memory through DLPack
+        data = _array(t.view(torch.int16) if dtype.itemsize == 2 else t)
+        address, n = data.ctypes.data, data.size
+    if not address:
+        raise RuntimeError("the tensor has no memory of its own")
+    try:  # ``data`` holds the memory while the kernel reads it
+        getattr(k, _ENTRIES[dtype])(address, n, _INFINITIES[dtype], _TABLE, _CUMULATIVE, out, fps, row)
+    except Exception as err:  # noqa: BLE001 - a kernel that fails to compile (another numba) or run
+        global AVAILABLE
+        AVAILABLE = False  # the eager path from now on: capture never raises into the workload
+        _log.warning("the fused statistics kernel failed (%s): using PyTorch", err)
+        raise RuntimeError(f"the fused statistics kernel failed: {err}") from err
 
 
 def _array(t: torch.Tensor) -> np.ndarray:

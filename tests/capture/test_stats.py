@@ -100,3 +100,97 @@ def test_a_negative_view_takes_the_eager_path():
     t = torch._neg_view(torch.tensor([1.0, -3.0, 2.0]))  # no NumPy view of a negative-bit tensor
     f, e = _both(t)
     assert f == e and f["min"] == -2.0 and f["max"] == 3.0
+
+
+def _exponent_groups(dtype: torch.dtype) -> list:
+    """Every bit pattern of a 16-bit float, one tensor per exponent (both signs, every
+    fraction): within a group every float64 sum is exact in any order, so the fused and eager
+    sums must be equal, not close. The all-ones exponent holds the infinities and NaNs."""
+    fraction_bits = 10 if dtype == torch.float16 else 7
+    codes = torch.arange(1 << 16, dtype=torch.int32)
+    exponent = (codes >> fraction_bits) & ((1 << (15 - fraction_bits)) - 1)
+    bits = codes.to(torch.int16).view(dtype)
+    return [bits[exponent == e] for e in range(1 << (15 - fraction_bits))]
+
+
+@pytest.mark.parametrize("dtype, flush_denormal", [(torch.bfloat16, False), (torch.float16, False),
+                                                   (torch.float16, True)])
+def test_every_16bit_pattern_is_widened_exactly(dtype, flush_denormal):
+    """The widening by shifts (bfloat16) and integer arithmetic (float16) is exact for every bit
+    pattern: subnormals, zeros, infinities, NaN payloads. Also where floats flush denormals
+    (torch.set_flush_denormal(True)) for float16, whose subnormals are normal float32 numbers
+    (the fast path's float32 denormals would read as 0); bfloat16 and float32 subnormals do read
+    as 0 there, in this kernel as in PyTorch: that is what the mode means."""
+    groups = _exponent_groups(dtype)
+    expected = [_both(g)[1] for g in groups]
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = [_both(g)[0] for g in groups]
+    finally:
+        torch.set_flush_denormal(False)
+    for g, f, e in zip(groups, got, expected):
+        assert f["fingerprint"] == e["fingerprint"] and (f["nan"], f["inf"]) == (e["nan"], e["inf"])
+        for k in ("min", "max", "mean", "abs_mean", "norm"):
+            assert f[k] == e[k] or (math.isnan(f[k]) and math.isnan(e[k])), (k, g[:3])
+    assert sum(f["nan"] for f in got) == (254 if dtype == torch.bfloat16 else 2046)
+
+
+def test_an_infinity_in_one_block_leaves_the_other_blocks_on_the_fast_path():
+    """float16 blocks holding an Inf or NaN are widened the careful way, the others not; the
+    sums of a tensor of subnormals and one far-away Inf stay exact where they are finite."""
+    tiny = torch.arange(1, 1024, dtype=torch.int16).view(torch.float16)  # every subnormal
+    t = torch.cat([tiny.repeat(8), torch.tensor([math.inf], dtype=torch.float16), tiny])
+    f, e = _both(t)
+    assert f["inf"] == 1 and f["max"] == math.inf and f["mean"] == math.inf
+    assert f["min"] == e["min"] == 2.0 ** -24 and f["fingerprint"] == e["fingerprint"]
+    f, e = _both(t[:-1024])
+    assert f["mean"] == e["mean"] and f["norm"] == pytest.approx(e["norm"], rel=1e-15)
+
+
+def test_started_read_back_gives_what_resolve_gives():
+    """start() reduces and queues the eager path's results (the device path copies them into
+    pinned memory there); resolve() afterwards reads them, as a direct resolve() does."""
+    tensors = [torch.randn(50), torch.randn(70_000), torch.tensor([math.nan, 1.0])]
+    direct, started = StatsBatch(fast=False), StatsBatch(fast=False)
+    hd = [direct.add(t) for t in tensors]
+    hs = [started.add(t) for t in tensors]
+    started.start()
+    assert started.pending_elements == 0
+    direct.resolve()
+    started.resolve()
+    for a, b in zip(hd, hs):
+        x, y = direct.get(a), started.get(b)
+        assert x.keys() == y.keys() and all(x[k] == y[k] or x[k] != x[k] for k in x)
+
+
+def test_a_failing_kernel_turns_the_fast_path_off_and_capture_goes_on(monkeypatch, caplog):
+    """A kernel that fails to compile (another numba) must not raise into the workload: the
+    eager path gives the statistics, now and for every later tensor."""
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args):
+                raise TypeError("cannot compile")
+            return fail
+
+    monkeypatch.setattr(stats_kernel, "_loader", lambda: Broken())
+    monkeypatch.setattr(stats_kernel, "AVAILABLE", True)
+    t = torch.randn(100)
+    f, e = _both(t)
+    assert f == e and not stats_kernel.AVAILABLE
+    assert "the fused statistics kernel failed (cannot compile): using PyTorch" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_parameters_and_subclasses_read_their_own_memory(dtype):
+    """Plain tensors and parameters are read at their data pointer; a subclass through DLPack
+    (it decides what its memory is); a transposed parameter through a row-major copy."""
+    class Tagged(torch.Tensor):
+        pass
+
+    base = torch.randn(40, 30, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for t in (torch.nn.Parameter(base.clone()), base.clone().as_subclass(Tagged),
+              torch.nn.Parameter(base.clone()).t()):
+        f, e = _both(t)
+        _assert_same(f, e, t.numel())
+        assert f["fingerprint"] == fingerprint(t.detach())
