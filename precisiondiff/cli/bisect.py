@@ -39,7 +39,7 @@ def _progress():
 @click.command("bisect")
 @click.argument("source", required=False)
 @click.argument("ref_dump", required=False)
-@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="| --script FILE [-- ARGS]")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
 @click_options(TARGET, REF)
 @click.option("--direction", type=click.Choice(["forward", "backward"]), default=None)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
@@ -64,8 +64,7 @@ def _progress():
               help="with --script: keep the dumps in this directory (default: a temporary one, removed)")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, noise,
            confirm, card_path, script, keep) -> None:
-    """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP], or a
-    --script, under torchrun too)."""
+    """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
     from ..errors import BisectError
