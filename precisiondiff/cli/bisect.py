@@ -111,6 +111,8 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                                   budgets=list(budgets), progress=progress, across_processes=under_torchrun())
             if result is None:  # a torchrun process other than 0: its verdicts went to process 0
                 sys.exit(0)
+            if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+                _tell_torchrun(result)
         elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                  budgets=list(budgets), progress=progress)

@@ -67,3 +67,58 @@ def test_bisect_script_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert code == 2 and "go with --script" in err
     code, err = _main(capsys)
     assert code == 2 and err.count("\n") == 1 and "--script FILE" in err
+
+
+def test_the_scripts_destroy_of_the_default_group_waits_for_the_bisect():
+    """A script's destroy_process_group() is deferred (the bisect needs the group after it); one
+    that then creates a group again gets the deferred one destroyed first; subgroups go as asked."""
+    import torch.distributed as dist
+
+    from precisiondiff.bisect.script import _default_group_kept
+
+    def init():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with _default_group_kept() as deferred:
+        init()
+        sub = dist.new_group([0])
+        dist.destroy_process_group(sub)
+        assert not deferred
+        dist.destroy_process_group()
+        assert deferred and dist.is_initialized()
+        init()  # again, as a script with two phases would
+        assert dist.is_initialized() and not deferred
+        dist.destroy_process_group()
+    assert deferred and dist.is_initialized()
+    dist.destroy_process_group()  # the real one again, outside
+    assert not dist.is_initialized()
+
+
+SINGLE = '''
+import torch
+
+@torch.library.custom_op("pdtest_live::rowsum", mutates_args=())
+def rowsum(x: torch.Tensor) -> torch.Tensor:
+    acc = torch.zeros(x.shape[0], dtype=x.dtype)  # a planted fault: accumulates in the input's bf16
+    for k in range(x.shape[1]):
+        acc = acc + x[:, k]
+    return acc
+
+@rowsum.register_fake
+def _(x):
+    return x.new_empty(x.shape[0])
+
+x = torch.rand(8, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+y = rowsum(x)  # the only arithmetic: no stock kernel is judged here
+'''
+
+
+def test_bisect_script_without_torchrun_bisects_the_one_dump(tmp_path, capsys):
+    script = tmp_path / "single.py"
+    script.write_text(SINGLE)
+    report = tmp_path / "bisect.json"
+    code, err = _main(capsys, "--script", str(script), "--keep", str(tmp_path / "kept"), "--format", "json",
+                      "-o", str(report))
+    assert code == 1, err
+    c = json.loads(report.read_text())["culprit"]
+    assert (c["kind"], c["name"]) == ("op", "pdtest_live.rowsum.default") and "rank" not in c
+    assert (tmp_path / "kept" / "meta.json").exists()  # one process: one dump, no rank directories
