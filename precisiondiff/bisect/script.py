@@ -4,8 +4,9 @@
 :func:`bisect_script` in each process:
 
 1. **Capture**: each process runs the unmodified script as ``__main__`` under capture in replay
-   mode (:func:`precisiondiff.capture.runner.capture_script`), its first step (up to the first
-   ``optimizer.step()``), into a directory of its own: ``KEEP/rank{N}`` with ``keep``, else a
+   mode (:func:`precisiondiff.capture.runner.capture_script`), its first step only: the script
+   is stopped (``SystemExit(0)``) when its first ``optimizer.step()`` returns, on every rank at
+   the same point, so a training script does not train on; into a directory of its own: ``KEEP/rank{N}`` with ``keep``, else a
    temporary one. The script creates the process group; its ``destroy_process_group()`` of the
    default group is deferred until the bisect is over, because the group cannot be created
    again under torchrun (the rendezvous keys of the first one are still in torchrun's store and
@@ -71,6 +72,28 @@ def _default_group_kept() -> Iterator[List[Any]]:
     finally:
         for (mod, name), value in saved.items():
             setattr(mod, name, value)
+
+
+@contextlib.contextmanager
+def _first_step_only() -> Iterator[None]:
+    """Stop the script when its first ``optimizer.step()`` returns. The stopping hook is added
+    from a pre-step hook, so that it runs after capture's own post-step hook (which ends the
+    captured step)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    handles: List[Any] = []
+
+    def stop(optimizer: Any, args: Any, kwargs: Any) -> None:
+        raise SystemExit(0)
+
+    def arm(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if len(handles) == 1:
+            handles.append(register_optimizer_step_post_hook(stop))
+    handles.append(register_optimizer_step_pre_hook(arm))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _agree(group: Any, error: Optional[str]) -> None:
@@ -147,7 +170,7 @@ def bisect_script(script: "str | os.PathLike", args: Sequence[str] = (), *, keep
     else:
         where = tempfile.mkdtemp(prefix="precisiondiff-bisect-")
     try:
-        with _default_group_kept() as deferred:
+        with _default_group_kept() as deferred, _first_step_only():
             capture_script(os.fspath(script), list(args), where, mode="replay", steps="0", seed=seed)
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):

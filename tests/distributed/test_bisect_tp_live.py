@@ -1,6 +1,8 @@
 """``torchrun ... -m precisiondiff.cli bisect --script``: live bisect of a real 2-rank tensor-parallel
 job in one command (gloo on 127.0.0.1). The script (train_tp_bisect.py) plants a GEMM that
-accumulates in bf16 on rank 1 only and destroys its process group at the end, as scripts do.
+accumulates in bf16 on rank 1 only, runs a forward and backward and destroys its process group at
+the end, as scripts do: bisect defers that (torchrun cannot create a second default group). A
+script stopped after its first optimizer step is tested in one process below.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def test_torchrun_bisect_script_names_the_gemm_wrong_on_rank_1(tmp_path):
     tmp.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "precisiondiff.cli", "bisect", "--script", SCRIPT,
-           "--format", "json", "-o", str(tmp_path / "bisect.json"), "--", "--plant", "gemm"]
+           "--format", "json", "-o", str(tmp_path / "bisect.json"), "--", "--plant", "gemm", "--steps", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp)}
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]
@@ -107,8 +109,16 @@ def rowsum(x: torch.Tensor) -> torch.Tensor:
 def _(x):
     return x.new_empty(x.shape[0])
 
-x = torch.rand(8, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
-y = rowsum(x)  # the only arithmetic: no stock kernel is judged here
+import sys
+
+w = torch.nn.Parameter(torch.rand(8, 512, generator=torch.Generator().manual_seed(0)).bfloat16())
+opt = torch.optim.SGD([w], lr=0.0)
+for step in range(3):
+    with open(sys.argv[1], "a") as fh:
+        fh.write(f"step {step}\\n")
+    with torch.no_grad():
+        rowsum(w)  # the only arithmetic: no stock kernel is judged here
+    opt.step()
 '''
 
 
@@ -116,9 +126,11 @@ def test_bisect_script_without_torchrun_bisects_the_one_dump(tmp_path, capsys):
     script = tmp_path / "single.py"
     script.write_text(SINGLE)
     report = tmp_path / "bisect.json"
+    steps = tmp_path / "steps.txt"
     code, err = _main(capsys, "--script", str(script), "--keep", str(tmp_path / "kept"), "--format", "json",
-                      "-o", str(report))
+                      "-o", str(report), "--", str(steps))
     assert code == 1, err
+    assert steps.read_text() == "step 0\n"  # the script stopped when its first optimizer step returned
     c = json.loads(report.read_text())["culprit"]
     assert (c["kind"], c["name"]) == ("op", "pdtest_live.rowsum.default") and "rank" not in c
     assert (tmp_path / "kept" / "meta.json").exists()  # one process: one dump, no rank directories

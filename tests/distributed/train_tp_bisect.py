@@ -1,6 +1,7 @@
 """A 2-way tensor-parallel training script, as torchrun runs it (env:// rendezvous), for live
-multi-rank bisect (``torchrun ... -m precisiondiff.cli bisect --script``): one SGD step of the
-Megatron-style bf16 MLP of workers_tp_bisect.py, with a planted fault.
+multi-rank bisect (``torchrun ... -m precisiondiff.cli bisect --script``): ``--steps`` (1) SGD
+steps of the Megatron-style bf16 MLP of workers_tp_bisect.py, with a planted fault (``--steps 0``:
+one forward and backward, no optimizer: the script runs to its end).
 
 ``--plant gemm``: ``fc1``'s GEMM (a custom op) accumulates in bf16 on rank ``--bad-rank`` (1) only;
 ``--plant bf16-all-reduce``: the all-reduce of ``fc2``'s float32 partial sums adds them in bf16.
@@ -25,6 +26,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--plant", choices=["none", "gemm", "bf16-all-reduce"], default="none")
 parser.add_argument("--bad-rank", type=int, default=1)
 parser.add_argument("--tp", type=int, default=0)
+parser.add_argument("--steps", type=int, default=1)
 parser.add_argument("--keep-group", action="store_true")
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -40,9 +42,12 @@ planted = tp.plant_bf16_all_reduce() if args.plant == "bf16-all-reduce" else Non
 model = tp.TPMLP(rank % size, size).to(torch.bfloat16)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # same on every rank
-loss = model(x).float().square().mean()
-loss.backward()
-opt.step()
+for _ in range(max(args.steps, 1)):
+    loss = model(x).float().square().mean()
+    loss.backward()
+    if args.steps:
+        opt.step()
+        opt.zero_grad()
 if planted is not None:
     planted._destroy()
 tp.SLOPPY_GEMM, tp.TP_GROUP = False, None
