@@ -6,8 +6,9 @@
 1. **Capture**: each process runs the unmodified script as ``__main__`` under capture in replay
    mode (:func:`precisiondiff.capture.runner.capture_script`), its first step only: the script
    is stopped (``SystemExit(0)``) when its first ``optimizer.step()`` returns, on every rank at
-   the same point, so a training script does not train on; into a directory of its own: ``KEEP/rank{N}`` with ``keep``, else a
-   temporary one. The script creates the process group; its ``destroy_process_group()`` of the
+   the same point, so a training script does not train on. Each process writes into a directory
+   of its own: ``KEEP/rank{N}`` with ``keep``, else a temporary one. The script creates the
+   process group; its ``destroy_process_group()`` of the
    default group is deferred until the bisect is over, because the group cannot be created
    again under torchrun (the rendezvous keys of the first one are still in torchrun's store and
    a second gloo group connects to the old addresses).
@@ -47,6 +48,9 @@ def _default_group_kept() -> Iterator[List[Any]]:
     done (the bisect needs the group after the script); other groups are destroyed as asked. A
     script that initializes the default group again gets the deferred one destroyed first."""
     import torch.distributed as dist
+    if not dist.is_available():
+        yield []
+        return
     from torch.distributed import distributed_c10d as c10d
     real_destroy, real_init = c10d.destroy_process_group, c10d.init_process_group
     deferred: List[Any] = []
@@ -116,12 +120,13 @@ def _run_dir(group: Any, me: int, where: str, keep: Optional[str]) -> str:
     dist.broadcast_object_list(box, group_src=0, group=group)
     run_dir, error = box[0], None
     if me != 0:
+        mine = f"rank{dist.get_rank()}"  # the dump is named by the global rank
         try:
             if not os.path.isdir(run_dir):
                 raise OSError(f"process 0's directory {run_dir} is not on this machine")
-            shutil.move(os.path.join(where, f"rank{me}"), os.path.join(run_dir, f"rank{me}"))
+            shutil.move(os.path.join(where, mine), os.path.join(run_dir, mine))
         except OSError as err:
-            error = (f"rank {me}: cannot put its dump beside the others ({err}); across machines give "
+            error = (f"{mine}: cannot put its dump beside the others ({err}); across machines give "
                      "--keep DIR on a filesystem every machine sees")
     _agree(group, error)
     return run_dir
@@ -173,13 +178,18 @@ def bisect_script(script: "str | os.PathLike", args: Sequence[str] = (), *, keep
         with _default_group_kept() as deferred, _first_step_only():
             capture_script(os.fspath(script), list(args), where, mode="replay", steps="0", seed=seed)
         import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()):
-            if os.path.isdir(os.path.join(where, f"rank{rank}")):  # a job whose group is gone
-                raise BisectError(f"{script} left no process group to bisect its ranks over (destroyed in a way "
-                                  "bisect could not defer): capture with --keep DIR and run "
-                                  "'torchrun ... precisiondiff bisect DIR'")
-            return bisect_dump(where, ref=ref, direction=direction, budgets=budgets, progress=progress,
-                               max_candidates=max_candidates)
+        alive = dist.is_available() and dist.is_initialized()
+        if not (alive and dist.get_world_size() > 1):
+            try:
+                if os.path.isdir(os.path.join(where, f"rank{rank}")):  # a job whose group is gone
+                    raise BisectError(f"{script} left no process group to bisect its ranks over (destroyed in a "
+                                      "way bisect could not defer): capture with --keep DIR and run "
+                                      "'torchrun ... precisiondiff bisect DIR'")
+                return bisect_dump(where, ref=ref, direction=direction, budgets=budgets, progress=progress,
+                                   max_candidates=max_candidates)
+            finally:
+                if alive and deferred:
+                    dist.destroy_process_group()
         return _bisect_job(where, keep, deferred, bisect_ranks, ref=ref, direction=direction, budgets=budgets,
                            progress=progress, max_candidates=max_candidates)
     finally:
