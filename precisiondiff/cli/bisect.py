@@ -191,7 +191,7 @@ def _tell_torchrun(result) -> None:
     where = (f" on rank(s) {c['ranks']}" if c.get("kind") == "collective" else
              f" on rank {c['rank']}" if c.get("rank") is not None else "")
     message = (f"not a crash: precisiondiff bisect found a culprit, {c.get('kind')} {c.get('name')} in "
-               f"{c.get('scope') or '<root>'}{where} (exit code 1; the report is above)")
+               f"{c.get('scope') or '<root>'}{where} (exit code 1; see its report)")
     try:
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as fh:
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
