@@ -14,9 +14,13 @@ once it is ready), so it can be judged like an op whose inputs come from several
   ops are judged by). The reduce op is read from the recorded arguments when they say it
   (functional collectives), else the one of sum, average, max and min closest to the output is
   taken (c10d records a ``ReduceOp`` object), so a wrong reduce op is not invented;
-* **data movement** (all-gather, broadcast): the output must equal the ranks' inputs bit for bit.
+* **data movement** (all-gather, broadcast, all-to-all): the output must equal the ranks' inputs
+  bit for bit (all-to-all: each rank receives the chunk every rank addressed to it, split as the
+  recorded input split sizes say, else evenly, or one tensor per destination in the list form).
 
-Other collectives (all-to-all, send/recv, barriers) are listed as not judged. Matching across
+Reduce-scatter is judged in its tensor and list (``c10d.reduce_scatter_``) forms. Other
+collectives (send/recv, barriers; ``alltoall_base_``, whose output capture does not record) are
+listed as not judged. Matching across
 ranks is by ``(scope, name, direction, call)`` within the first step.
 """
 from __future__ import annotations
@@ -36,8 +40,12 @@ __all__ = ["CollectiveUnit", "CollectiveVerdict", "collect_units", "judge_collec
 _KINDS = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
           "allreduce_coalesced_": "all_reduce", "all_reduce_coalesced": "all_reduce",
           "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+          "reduce_scatter_": "reduce_scatter",
           "_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather", "allgather_": "all_gather",
-          "broadcast_": "broadcast", "broadcast": "broadcast"}
+          "broadcast_": "broadcast", "broadcast": "broadcast",
+          "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all"}
+# where an all-to-all's input split sizes are among its arguments (an empty list: equal splits)
+_INPUT_SPLITS = {"all_to_all_single": 2, "alltoall_base_": 4}
 JUDGED = tuple(sorted(set(_KINDS.values())))
 _PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
 
@@ -59,7 +67,8 @@ class CollectiveUnit:
 
     Attributes:
         scope, name, direction, call: as recorded (the same on every rank).
-        kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast`` or None (not judged).
+        kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``all_to_all`` or
+            None (not judged).
         group, ranks: the process group's name and ranks.
         seq: per rank, the event's execution position.
         records: per rank, ``{slot: tensor record}`` of the event.
@@ -176,6 +185,9 @@ def judge_collective(unit: CollectiveUnit, load: Callable[[int, str], torch.Tens
         return CollectiveVerdict(False, reason=f"not recorded on rank(s) {missing} of its group")
     ins = {r: _slots(unit.records[r], "input.") for r in unit.ranks}
     outs = {r: _slots(unit.records[r], "output.") for r in unit.ranks}
+    if _short(unit.name) == "alltoall_base_" and not any(outs.values()):
+        return CollectiveVerdict(False, reason="alltoall_base_ (dist.all_to_all_single): capture does not record "
+                                               "its output (written in place, not returned)")
     if any(not ins[r] for r in unit.ranks) or any(not outs[r] for r in unit.ranks):
         return CollectiveVerdict(False, reason="inputs or outputs not stored (capture with --mode replay or tensors)")
 
@@ -183,23 +195,61 @@ def judge_collective(unit: CollectiveUnit, load: Callable[[int, str], torch.Tens
         return [load(rank, unit.records[rank][s]["key"]) for s in slots]
     inputs = {r: tensors(r, ins[r]) for r in unit.ranks}
     outputs = {r: tensors(r, outs[r]) for r in unit.ranks}
-    if unit.kind in ("all_gather", "broadcast"):
+    if unit.kind == "reduce_scatter" and any(len(v) > 1 for v in inputs.values()):
+        # the list form (c10d.reduce_scatter_): rank r's chunk j goes to the group's j-th rank
+        inputs = {r: [torch.cat([x.reshape(-1) for x in xs])] for r, xs in inputs.items()}
+    if unit.kind in ("all_gather", "broadcast", "all_to_all"):
         return _judge_exact(unit, inputs, outputs)
     return _judge_reduction(unit, inputs, outputs)
 
 
+def _input_splits(unit: CollectiveUnit, rank: int) -> Optional[List[int]]:
+    at = _INPUT_SPLITS.get(_short(unit.name))
+    args = (unit.args.get(rank) or {}).get("args") or []
+    if at is None or at >= len(args) or not isinstance(args[at], list) or not args[at]:
+        return None
+    return [int(n) for n in args[at]]
+
+
+def _all_to_all_expected(unit: CollectiveUnit, inputs: Dict[int, List[torch.Tensor]]) -> Dict[int, torch.Tensor]:
+    """What each rank must receive: the chunk every rank of the group addressed to it, in group order."""
+    chunks: Dict[int, List[torch.Tensor]] = {}
+    for r in unit.ranks:
+        xs = inputs[r]
+        if len(xs) > 1:  # the list form: one tensor per destination
+            chunks[r] = [x.reshape(-1) for x in xs]
+            continue
+        splits = _input_splits(unit, r)
+        rows = xs[0] if xs[0].dim() else xs[0].reshape(1)
+        if splits is None:
+            if rows.shape[0] % len(unit.ranks):
+                raise ValueError(f"rank {r}: {rows.shape[0]} rows do not split evenly over {len(unit.ranks)} ranks")
+            splits = [rows.shape[0] // len(unit.ranks)] * len(unit.ranks)
+        if len(splits) != len(unit.ranks) or sum(splits) != rows.shape[0]:
+            raise ValueError(f"rank {r}: input split sizes {splits} do not match its input")
+        chunks[r] = [c.reshape(-1) for c in rows.split(splits)]
+    return {r: torch.cat([chunks[q][pos] for q in unit.ranks]) for pos, r in enumerate(unit.ranks)}
+
+
 def _judge_exact(unit: CollectiveUnit, inputs: Dict[int, List[torch.Tensor]],
                  outputs: Dict[int, List[torch.Tensor]]) -> CollectiveVerdict:
-    if unit.kind == "all_gather":
-        expected = torch.cat([inputs[r][0].reshape(-1) for r in unit.ranks])
+    if unit.kind == "all_to_all":
+        try:
+            expect = _all_to_all_expected(unit, inputs)
+        except ValueError as err:
+            return CollectiveVerdict(False, reason=str(err))
+    elif unit.kind == "all_gather":
+        gathered = torch.cat([inputs[r][0].reshape(-1) for r in unit.ranks])
+        expect = {r: gathered for r in unit.ranks}
     else:  # broadcast: the root's input on every rank (the root is the rank whose input it is)
         expected = outputs[unit.ranks[0]][0].reshape(-1)
         sent = [inputs[r][0].reshape(-1) for r in unit.ranks]
         if not any(x.numel() == expected.numel() and torch.equal(x, expected) for x in sent):
             expected = next((x for x in sent if x.numel() == expected.numel()), expected)
-    wrong, worst = [], {"rule": "exact", "mismatched": 0, "numel": int(expected.numel())}
+        expect = {r: expected for r in unit.ranks}
+    wrong, worst = [], {"rule": "exact", "mismatched": 0, "numel": int(max(e.numel() for e in expect.values()))}
     for r in unit.ranks:
-        got = torch.cat([t.reshape(-1) for t in outputs[r]])
+        got, expected = torch.cat([t.reshape(-1) for t in outputs[r]]), expect[r]
         if got.numel() != expected.numel():
             return CollectiveVerdict(False, reason=f"rank {r}: output has {got.numel()} elements, "
                                                    f"the inputs {expected.numel()}")

@@ -1,7 +1,8 @@
 """Bisect a multi-rank job (tensor parallel, data parallel...) from its per-rank replay dumps.
 
 ``precisiondiff bisect RUN_DIR`` on a directory of ``rank{N}/`` dumps (``torchrun ... capture
---mode replay``, or the Python API inside a process group), or :func:`bisect_ranks`:
+--mode replay``, or the Python API inside a process group), or :func:`bisect_ranks` (live, in one
+command: ``torchrun ... bisect --script``, :mod:`.script`):
 
 1. **Each rank bisects its own ops** from its own recorded inputs (:func:`bisect_dump` on its
    dump): op-local judging needs nothing from the other ranks, so a kernel wrong on rank 1 only
@@ -113,7 +114,8 @@ def _collective_json(unit: CollectiveUnit, verdict: CollectiveVerdict) -> Dict[s
 def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: Any = None,
                  direction: Optional[str] = None, budgets: Any = None,
                  progress: Optional[Callable[[int, int, str], None]] = None,
-                 max_candidates: int = 3, across_processes: bool = False) -> Optional[RanksBisectResult]:
+                 max_candidates: int = 3, across_processes: bool = False,
+                 group: Any = None) -> Optional[RanksBisectResult]:
     """Bisect a multi-rank job from its per-rank ``--mode replay`` dumps (module docstring).
 
     Args:
@@ -127,6 +129,8 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
         across_processes: run under ``torchrun``: process ``i`` of ``W`` bisects ranks ``i,
             i+W, ...`` and process 0 gathers the verdicts (gloo, from torchrun's environment),
             judges the collectives from the dumps it can read and returns the result.
+        group: with ``across_processes``, the process group to share the ranks over (default:
+            the default group, created from torchrun's environment when there is none).
 
     Returns:
         A :class:`RanksBisectResult`: ``culprit["rank"]`` names the rank; a wrong collective is
@@ -163,7 +167,7 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
             raise BisectError(f"rank {rank}: {err}") from err
         return res, left
 
-    done = _across_processes(one, list(paths)) if across_processes else {r: one(r) for r in paths}
+    done = _across_processes(one, list(paths), group) if across_processes else {r: one(r) for r in paths}
     if done is None:
         return None
     per_rank = {r: done[r][0] for r in sorted(done)}
@@ -180,22 +184,22 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
     return result
 
 
-def _across_processes(one: Callable[[int], Any], ranks: List[int]) -> Optional[Dict[int, Any]]:
+def _across_processes(one: Callable[[int], Any], ranks: List[int], group: Any = None) -> Optional[Dict[int, Any]]:
     """``one(rank)`` for ranks ``i, i+W...`` here (process ``i`` of ``W``), gathered on process 0
     (what compare does under torchrun: precisiondiff/compare/parallel.py)."""
     import torch.distributed as dist
-    owned = not dist.is_initialized()
+    owned = group is None and not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo")
     try:
-        me, world = dist.get_rank(), dist.get_world_size()
+        me, world = dist.get_rank(group), dist.get_world_size(group)
         error, mine = None, {}
         try:
             mine = {r: one(r) for i, r in enumerate(ranks) if i % world == me}
         except BisectError as err:  # every process reaches the gather, so none waits forever
             error = str(err)
         gathered: Optional[list] = [None] * world if me == 0 else None
-        dist.gather_object((error, mine), gathered, dst=0)
+        dist.gather_object((error, mine), gathered, group=group, group_dst=0)
     finally:
         if owned:
             dist.destroy_process_group()

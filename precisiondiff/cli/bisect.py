@@ -37,8 +37,9 @@ def _progress():
 
 
 @click.command("bisect")
-@click.argument("source")
+@click.argument("source", required=False)
 @click.argument("ref_dump", required=False)
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
 @click_options(TARGET, REF)
 @click.option("--direction", type=click.Choice(["forward", "backward"]), default=None)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
@@ -56,13 +57,28 @@ def _progress():
                    "it) and rerun the DUT with the culprit's golden output (substitution)")
 @click.option("--card", "card_path", type=click.Path(dir_okay=False), default=None,
               help="a numerics card of the DUT (precisiondiff probe -o CARD.json): explain the culprit by it")
-def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, budgets, noise, confirm,
-           card_path) -> None:
-    """Find the first op or module whose own arithmetic is wrong (WORKLOAD, or DUT_DUMP [REF_DUMP])."""
+@click.option("--script", type=click.Path(dir_okay=False), default=None,
+              help="live: capture this script's first step in replay mode (every process of a torchrun job) "
+                   "and bisect it; the script's arguments go after --")
+@click.option("--keep", type=click.Path(file_okay=False), default=None,
+              help="with --script: keep the dumps in this directory (default: a temporary one, removed)")
+def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, noise,
+           confirm, card_path, script, keep) -> None:
+    """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
-    from ..bisect.ranks import bisect_ranks, is_multi_rank, ranks_summary_lines
-    from ..bisect.render import summary_lines
-    from ..errors import PrecisionDiffError, BisectError
+    from ..bisect.ranks import bisect_ranks, is_multi_rank
+    from ..errors import BisectError
+    if script is not None:
+        _bisect_script(script, [a for a in (source, ref_dump) if a is not None] + list(script_args), keep,
+                       target=target, workload=workload, noise=noise, confirm=confirm, ref=ref,
+                       direction=direction, budgets=list(budgets), seed=seed, fmt=fmt, out=out, card_path=card_path)
+    if keep is not None or script_args:
+        raise BisectError("--keep and the arguments after -- go with --script FILE" if keep is not None else
+                          f"too many arguments ({' '.join(script_args)}): bisect takes a WORKLOAD or DUT_DUMP "
+                          "[REF_DUMP], or --script FILE -- ARGS")
+    if source is None:
+        raise BisectError("bisect needs a WORKLOAD, a DUT_DUMP [REF_DUMP] or --script FILE "
+                          "(see 'precisiondiff bisect --help')")
     multi = is_multi_rank(source)
     offline = multi or (os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")))
     if multi and ref_dump is not None:
@@ -95,12 +111,22 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
                                   budgets=list(budgets), progress=progress, across_processes=under_torchrun())
             if result is None:  # a torchrun process other than 0: its verdicts went to process 0
                 sys.exit(0)
+            if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+                _tell_torchrun(result)
         elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                  budgets=list(budgets), progress=progress)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise, confirm=confirm)
+    _emit(result, card, multi, fmt, out)
+
+
+def _emit(result, card, multi: bool, fmt: str, out) -> None:
+    """Print or write the report (with the card's explanation), then exit with the verdict's code."""
+    from ..bisect.ranks import ranks_summary_lines
+    from ..bisect.render import summary_lines
+    from ..errors import PrecisionDiffError
     if card is not None and result.culprit:
         from ..probe.explain import explain_culprit
         sentence = explain_culprit(card, result.culprit, result.dut.split("/")[-1].split("+")[0])
@@ -119,3 +145,56 @@ def bisect(source, ref_dump, target, ref, direction, fmt, out, seed, workload, b
     else:
         click.echo(text)
     sys.exit(result.exit_code)
+
+
+def _bisect_script(script: str, args: list, keep, *, target, workload, noise, confirm, fmt, out, card_path,
+                   **options) -> None:
+    """``bisect --script``: every process captures and bisects (precisiondiff/bisect/script.py);
+    process 0 writes the report. Under torchrun only process 0 exits with the verdict's code, so
+    that torchrun lists one failed process, whose message says it is the verdict."""
+    from ..bisect.ranks import RanksBisectResult, is_multi_rank
+    from ..bisect.script import bisect_script
+    from ..errors import BisectError
+    if confirm:
+        raise BisectError("--confirm has no effect with --script: the culprit is judged from each rank's "
+                          "recorded inputs (substitution would rerun the whole job)")
+    for flag, given in (("--target", target), ("--workload", workload), ("--noise", noise)):
+        if given:
+            raise BisectError(f"{flag} has no effect with --script: the script places its model and registers "
+                              "its ops itself")
+    if args and (os.path.isfile(os.path.join(args[0], "meta.json")) or is_multi_rank(args[0])):
+        raise BisectError(f"give a dump or --script FILE, not both ({args[0]!r}); the script's own "
+                          "arguments go after --")
+    card = None
+    if card_path is not None:
+        from ..probe.card import load_card
+        card = load_card(card_path)
+    process = int(os.environ.get("RANK", "0"))
+    with (_progress() if process == 0 else contextlib.nullcontext()) as progress:
+        result = bisect_script(script, args, keep=keep, progress=progress, **options)
+    if process != 0:  # every process has the verdict; process 0 reports it
+        sys.exit(0)
+    if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        _tell_torchrun(result)
+    try:
+        _emit(result, card, isinstance(result, RanksBisectResult), fmt, out)
+    finally:
+        from ..bisect.script import wait_for_local_peers
+        wait_for_local_peers()
+
+
+def _tell_torchrun(result) -> None:
+    """torchrun reports a process that exits 1 as failed; its error file says why: the verdict."""
+    import json
+    import time
+    c = result.culprit or {}
+    where = (f" on rank(s) {c['ranks']}" if c.get("kind") == "collective" else
+             f" on rank {c['rank']}" if c.get("rank") is not None else "")
+    message = (f"not a crash: precisiondiff bisect found a culprit, {c.get('kind')} {c.get('name')} in "
+               f"{c.get('scope') or '<root>'}{where} (exit code 1; see its report)")
+    try:
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as fh:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                      "timestamp": str(int(time.time()))}}}, fh)
+    except OSError:
+        pass

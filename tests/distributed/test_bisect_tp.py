@@ -196,3 +196,78 @@ def test_a_broadcast_must_deliver_the_roots_input():
     unit, load = _unit("c10d.broadcast_.default", "broadcast", [root, other], [root * 1.5, root * 1.5])
     v = judge_collective(unit, load)
     assert not v.passed and v.wrong_ranks == [0, 1]
+
+
+def test_live_bisect_in_every_process_gives_every_process_the_merged_verdict(job):
+    """bisect_script in each process of the job (the script keeps the job's group): each captures
+    its step, the ranks are bisected across the processes, every process gets the same result."""
+    got = [json.loads((job / f"live-{rank}.json").read_text()) for rank in (0, 1)]
+    assert got[0] == got[1]
+    c = got[0]["culprit"]
+    assert (c["kind"], c["name"], c["scope"], c["ranks"]) == ("collective", ALL_REDUCE, "fc2", [0, 1])
+    assert sorted(p.name for p in (job / "live").iterdir()) == ["rank0", "rank1"]  # --keep: the dumps stay
+    offline = bisect_ranks(job / "live").to_json()
+    assert offline["culprit"] == got[0]["culprit"] and offline["ranks"] == got[0]["ranks"]
+
+
+def _unit_lists(name: str, kind: str, inputs, outputs, args=None) -> tuple:
+    """A unit whose ranks recorded several input/output slots (the list forms)."""
+    ranks = list(range(len(inputs)))
+    unit = CollectiveUnit("", name, "forward", 0, kind, "WORLD", ranks)
+    store = {}
+    for r in ranks:
+        unit.seq[r], unit.args[r], unit.records[r] = 0, (args[r] if args else None), {}
+        for prefix, tensors in (("input", inputs[r]), ("output", outputs[r])):
+            for i, t in enumerate(tensors):
+                key = f"{r}/{prefix}.{i}"
+                unit.records[r][f"{prefix}.{i}"] = {"key": key, "dtype": str(t.dtype).split(".")[1], "data_key": 1}
+                store[(r, key)] = t
+    return unit, lambda rank, key: store[(rank, key)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(k=st.integers(2, 4), seed=st.integers(0, 2 ** 16), data=st.data())
+def test_an_all_to_all_must_deliver_every_chunk_bit_for_bit(k, seed, data):
+    """all_to_all_single with uneven input splits: rank r receives, in group order, the rows every
+    rank addressed to it; one element one ULP off on one rank names that rank only."""
+    g = torch.Generator().manual_seed(seed)
+    splits = [[data.draw(st.integers(0, 3)) for _ in range(k)] for _ in range(k)]  # splits[src][dst]
+    xs = [torch.randn(sum(splits[src]), 3, generator=g) for src in range(k)]
+    outs = [torch.cat([xs[src].split(splits[src])[dst] for src in range(k)]) for dst in range(k)]
+    args = [{"args": [{"t": "input.0"}, [splits[s][r] for s in range(k)], splits[r], "0"]} for r in range(k)]
+    name = "_c10d_functional.all_to_all_single.default"
+    unit, load = _unit_lists(name, "all_to_all", [[x] for x in xs], [[o] for o in outs], args)
+    v = judge_collective(unit, load)
+    assert v.judged and v.passed, v.reason
+    victims = [r for r in range(k) if outs[r].numel()]
+    if victims:
+        r = data.draw(st.sampled_from(victims))
+        broken = [o.clone() for o in outs]
+        flat = broken[r].view(-1)
+        i = data.draw(st.integers(0, flat.numel() - 1))
+        flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf")))
+        unit, load = _unit_lists(name, "all_to_all", [[x] for x in xs], [[o] for o in broken], args)
+        v = judge_collective(unit, load)
+        assert v.judged and not v.passed and v.wrong_ranks == [r] and v.peer["mismatched"] == 1
+
+
+def test_the_list_forms_of_all_to_all_and_reduce_scatter_are_judged():
+    a, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([10.0, 20.0, 30.0, 40.0])
+    # c10d.alltoall_: one tensor per destination; rank 0 gets [a0, b0], rank 1 [a1, b1]
+    ins = [list(a.chunk(2)), list(b.chunk(2))]
+    outs = [[ins[0][0], ins[1][0]], [ins[0][1], ins[1][1]]]
+    assert judge_collective(*_unit_lists("c10d.alltoall_.default", "all_to_all", ins, outs)).passed
+    swapped = [[ins[1][0], ins[0][0]], outs[1]]  # rank 0's chunks in the wrong order
+    v = judge_collective(*_unit_lists("c10d.alltoall_.default", "all_to_all", ins, swapped))
+    assert not v.passed and v.wrong_ranks == [0]
+    # c10d.reduce_scatter_: rank r's chunk j is reduced onto the group's j-th rank
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(128, generator=g) for _ in range(2)]
+    good = [[xs[0][:64] + xs[1][:64]], [xs[0][64:] + xs[1][64:]]]
+    unit, load = _unit_lists("c10d.reduce_scatter_.default", "reduce_scatter", [list(x.chunk(2)) for x in xs], good)
+    v = judge_collective(unit, load)
+    assert v.judged and v.passed and v.reduce_op == "sum", v.reason
+    bf16 = [[(xs[0][:64].bfloat16() + xs[1][:64].bfloat16()).float()], good[1]]  # rank 0 summed in bf16
+    unit, load = _unit_lists("c10d.reduce_scatter_.default", "reduce_scatter", [list(x.chunk(2)) for x in xs], bf16)
+    v = judge_collective(unit, load)
+    assert not v.passed and v.wrong_ranks == [0]

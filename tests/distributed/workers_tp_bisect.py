@@ -182,14 +182,27 @@ def bisect_across(out: str, rank: int) -> None:
         json.dump(None if result is None else result.to_json(), fh)
 
 
-SCENARIOS = ("clean", "kernel", "collective", "dtensor", "across")
+def bisect_live(out: str, rank: int) -> None:
+    """``bisect_script`` in each process of the job (what ``torchrun ... bisect --script`` runs): the
+    script plants the bf16 all-reduce and keeps the job's group; the dumps are kept in ``out/live``."""
+    import json
+
+    from precisiondiff.bisect.script import bisect_script
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_tp_bisect.py")
+    result = bisect_script(script, ["--plant", "bf16-all-reduce", "--keep-group"], keep=os.path.join(out, "live"))
+    with open(os.path.join(out, f"live-{rank}.json"), "w") as fh:
+        json.dump(result.to_json(), fh)
+
+
+SCENARIOS = ("clean", "kernel", "collective", "dtensor", "across", "live")
 
 
 def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> None:
     """torch.multiprocessing.spawn entry: one gloo group on 127.0.0.1, each scenario captured into
     ``out/NAME``: ``clean``; ``kernel``: the GEMM faulty on rank 1 only; ``collective``: the
     all-reduce sums in bf16; ``dtensor``: the clean ``parallelize_module`` MLP; ``across``: bisect
-    ``kernel`` with the ranks shared among the processes."""
+    ``kernel`` with the ranks shared among the processes; ``live``: capture and bisect
+    train_tp_bisect.py in every process (:func:`precisiondiff.bisect.script.bisect_script`)."""
     global SLOPPY_GEMM
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -201,6 +214,8 @@ def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> N
             try:
                 if name == "across":
                     bisect_across(out, rank)
+                elif name == "live":
+                    bisect_live(out, rank)
                 else:
                     (step_dtensor if name == "dtensor" else step)(os.path.join(out, name), rank, world)
             finally:
