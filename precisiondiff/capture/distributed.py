@@ -152,7 +152,7 @@ def local_view(t: torch.Tensor) -> Tuple[Optional[torch.Tensor], Dict[str, Any]]
 
     Returns:
         ``(t, {})`` for a plain tensor; ``(local shard, {"placements", "global_shape",
-        "mesh"})`` for a DTensor; ``(None, {"skipped": why})`` for a tensor without data
+        "mesh", "mesh_shape"})`` for a DTensor; ``(None, {"skipped": why})`` for a tensor without data
         (meta, fake) or a subclass capture cannot see into.
     """
     cls = type(t)
@@ -166,7 +166,8 @@ def local_view(t: torch.Tensor) -> Tuple[Optional[torch.Tensor], Dict[str, Any]]
         local = t._local_tensor
         inner, info = local_view(local)
         fields = {"placements": [str(p) for p in spec.placements], "global_shape": list(t.shape),
-                  "mesh": list(spec.mesh.mesh.flatten().tolist())}
+                  "mesh": list(spec.mesh.mesh.flatten().tolist()),
+                  "mesh_shape": list(spec.mesh.mesh.shape)}
         fields.update(info)
         return inner, fields
     if name == "AsyncCollectiveTensor" and hasattr(t, "trigger_wait"):

@@ -154,10 +154,12 @@ class ShardLayout:
         sub = self.dump.ranks.get(rank)
         if sub is not None:
             for _, obj, _ in iter_index(sub.path, strict=False):
-                for rec in (obj or {}).get("tensors") or ():
-                    if rec.get("full_of"):
-                        gathered[rec["full_of"]] = sub.record(rec["key"])
-                    elif rec.get("placements"):
+                records = (obj or {}).get("tensors") or ()
+                if obj and obj.get("full_of") and records:  # a gathered event: one full tensor
+                    gathered[obj["full_of"]] = sub.record(records[0]["key"])
+                    continue
+                for rec in records:
+                    if rec.get("placements"):
                         fields[rec["key"]] = rec
         self._fields[rank], self._gathered[rank] = fields, gathered
 

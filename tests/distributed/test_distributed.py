@@ -8,33 +8,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import precisiondiff.store as store
 from precisiondiff.compare.ranks import check_replicas
 from tests.conftest import pd_cli
 from tests.distributed import workers
+from tests.distributed.conftest import free_port
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("job")
-    mp.spawn(workers.run, args=(2, free_port(), str(out), list(workers.SCENARIOS)), nprocs=2)
-    return out
 
 
 def _events(path):
@@ -200,25 +184,6 @@ def test_a_rank_that_dies_leaves_every_dump_usable(tmp_path):
     assert check_replicas(out).ok  # what both ranks finished (step 0) still agrees
     c = pd_cli("compare", str(out), str(out))
     assert c.returncode == 0, c.stdout + c.stderr
-
-
-def test_tensor_parallel_ranks_against_a_single_process_reference(job, tmp_path):
-    import precisiondiff
-    from precisiondiff.compare import compare
-
-    model = workers._model()
-    with precisiondiff.capture(tmp_path / "ref", model=model, mode="tensors") as cap:
-        model(workers._inputs(0)).sum().backward()
-        cap.step()
-    c = compare(job / "tp", tmp_path / "ref")
-    compared = [r for r in c.rows if r.verdict != "unmatched"]
-    assert c.summary["failed"] == 0 and {r.rank for r in compared} == {0, 1}
-    # the replicated outputs (after the rowwise all-reduce) are compared on every rank...
-    assert {(r.rank, r.scope, r.name) for r in compared if r.slot == "output.0" and r.kind == "module"} == \
-        {(k, s, n) for k in (0, 1) for s, n in (("2", "Linear"), ("", "Sequential"))}
-    # ...shards and partial sums are not (the colwise output, the rowwise addmm before its reduce)
-    shards = [r for r in c.rows if r.mode == "shard"]
-    assert {(r.scope, r.name) for r in shards} >= {("0", "Linear"), ("2", "aten.addmm.default")}
 
 
 def test_rank_parallel_compare_gives_the_sequential_rows(job, tmp_path):

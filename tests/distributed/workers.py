@@ -7,6 +7,7 @@ torch.save (the test reads them with ``weights_only=True``).
 """
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -104,7 +105,27 @@ def tensor_parallel(out: str, rank: int) -> None:
                os.path.join(out, f"plain-tp-{rank}.pt"))
 
 
-SCENARIOS = {"collectives": collectives, "ddp": ddp, "fsdp2": fsdp2, "tp": tensor_parallel}
+def tensor_parallel_stats(out: str, rank: int) -> None:
+    """The same tensor-parallel step in stats mode, parameter gradients gathered in full."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with precisiondiff.capture(os.path.join(out, "tp-stats"), model=model, mode="stats",
+                               gather_full="param_grad") as cap:
+        model(_inputs(0)).sum().backward()
+        cap.step()
+    # rank 1 records nothing: it must still take part in agreeing what to gather (or rank 0 hangs)
+    with precisiondiff.capture(os.path.join(out, "tp-rank0"), model=model, mode="stats", ranks="0",
+                               gather_full=True) as cap:
+        model(_inputs(0)).sum().backward()
+        cap.step()
+
+
+SCENARIOS = {"collectives": collectives, "ddp": ddp, "fsdp2": fsdp2, "tp": tensor_parallel,
+             "tp_stats": tensor_parallel_stats}
 
 
 def run(rank: int, world: int, port: int, out: str, names: "list[str]") -> None:
@@ -112,7 +133,8 @@ def run(rank: int, world: int, port: int, out: str, names: "list[str]") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a hang (collectives issued in different orders) fails the test instead of blocking CI
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         for name in names:
             SCENARIOS[name](out, rank)
