@@ -16,11 +16,12 @@ Nothing here imports torch.distributed unless it is available and initialized.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["COLLECTIVE_NAMESPACES", "layout", "rank_and_world", "collective", "wait_collective", "destinations", "local_view"]
+__all__ = ["COLLECTIVE_NAMESPACES", "layout", "rank_and_world", "collective", "wait_collective", "destinations",
+           "local_view", "Deferred"]
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 COLLECTIVE_NAMESPACES = _NAMESPACES  # op-name prefixes of collectives
@@ -109,6 +110,86 @@ def collective(name: str, args: tuple, kwargs: dict) -> Optional[Dict[str, Any]]
     return info
 
 
+def _storage_key(t: torch.Tensor) -> Any:
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _Issued:
+    __slots__ = ("name", "out", "storages", "settle")
+
+    def __init__(self, name: str, out: Any, settle: Callable[[bool, Dict[str, str]], None]) -> None:
+        self.name, self.out, self.settle = name, out, settle
+        self.storages = {k for k in map(_storage_key, _flat(out)) if k is not None}
+
+
+class Deferred:
+    """Collectives issued and not yet recorded (see the module docstring).
+
+    A collective's outputs are recorded when its result is ready without capture waiting
+    where it is issued: just before the first recorded op that touches one of its tensors (the
+    workload waited for it by then: ``Work.wait()``, or ``wait_tensor`` for functional
+    collectives, which this op may be), and at the step's end for the others. Capture then
+    waits on the work itself, which returns at once for a finished gloo collective and, on
+    NCCL/CNCL, orders the current stream after the communication stream (it does not block
+    the host), so the statistics and copies issued next read the reduced values. Recording
+    happens on the thread that dispatches the touching op, never in a communication thread.
+    """
+
+    def __init__(self) -> None:
+        self.items: List[_Issued] = []
+
+    def defer(self, name: str, out: Any, settle: Callable[[bool, Dict[str, str]], None]) -> None:
+        """Hold a collective; ``settle(ready, note)`` records it (``ready`` False: without outputs,
+        ``note`` says why: ``{"failed": error}`` or ``{"output": "not complete..."}``)."""
+        self.items.append(_Issued(name, out, settle))
+
+    def settle_touching(self, tensors: List[Any]) -> None:
+        """Record the held collectives whose tensors share storage with ``tensors``."""
+        touched = {k for k in map(_storage_key, (t for t in tensors if isinstance(t, torch.Tensor)))
+                   if k is not None}
+        hits = [item for item in self.items if item.storages & touched]
+        for item in hits:
+            self.items.remove(item)
+            self._settle(item, wait=True)
+
+    def settle_all(self, at_step_end: bool = True) -> None:
+        """Record every held collective. A c10d collective on the host (gloo) whose work is not
+        complete is recorded without outputs (``collective.output: "not complete"``) rather
+        than waited for: waiting there could hang a job that waits later on purpose."""
+        items, self.items = self.items, []
+        for item in items:
+            self._settle(item, wait=not (at_step_end and _incomplete_on_host(item)))
+
+    @staticmethod
+    def _settle(item: _Issued, wait: bool) -> None:
+        if not wait:
+            item.settle(False, {"output": "not complete at the step's end: not recorded"})
+            return
+        try:
+            wait_collective(item.name, item.out)
+        except Exception as err:  # noqa: BLE001 - the job's failure (a peer died), not capture's
+            item.settle(False, {"failed": str(err).splitlines()[0] if str(err) else type(err).__name__})
+            return
+        with torch.no_grad():
+            item.settle(True, {})
+
+
+def _incomplete_on_host(item: _Issued) -> bool:
+    """Whether a c10d collective on host tensors (gloo) has not completed yet."""
+    tensors = _flat(item.out)
+    if tensors and any(t.device.type != "cpu" for t in tensors):
+        return False
+    for v in _flat_objects(item.out):
+        if isinstance(v, torch.ScriptObject) and v._has_method("wait"):
+            # the TorchBind Work has only wait(); its Python face answers is_completed()
+            work = torch._C._distributed_c10d.Work.unbox(v)
+            return not work.is_completed()
+    return False
+
+
 def wait_collective(name: str, out: Any) -> None:
     """Make a collective's outputs ready (see the module docstring)."""
     if name.startswith("_c10d_functional.") or name.startswith("c10d_functional."):
@@ -116,7 +197,7 @@ def wait_collective(name: str, out: Any) -> None:
             torch.ops._c10d_functional.wait_tensor(t)
         return
     for v in _flat_objects(out):
-        # the c10d Work as the dispatcher returns it (Work.unbox of it aborts the process)
+        # the c10d Work as the dispatcher returns it (a TorchBind object: _type() aborts the process)
         if isinstance(v, torch.ScriptObject) and v._has_method("wait"):
             v.wait()
 

@@ -178,6 +178,7 @@ class CaptureSession(ModuleHooks):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._settle_collectives()
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -246,6 +247,22 @@ class CaptureSession(ModuleHooks):
         except Warning:  # warnings turned into errors must not reach the workload either
             pass
 
+    def _settle_collectives(self) -> None:
+        """Record the collectives no op has read yet (distributed.Deferred); never raises."""
+        deferred = self._mode.deferred if self._mode is not None else None
+        if not deferred or not deferred.items:
+            return
+        if self.errors:
+            deferred.items.clear()
+            return
+        was, self.paused = self.paused, True
+        try:
+            deferred.settle_all()
+        except Exception as err:  # noqa: BLE001
+            self.capture_failed(err)
+        finally:
+            self.paused = was
+
     def _gather_full(self) -> None:
         """Gather the noted DTensors' full tensors on every rank (gather.py); never raises."""
         gather = self.recorder.gather if self.recorder is not None else None
@@ -265,6 +282,7 @@ class CaptureSession(ModuleHooks):
             self._gather_full()  # agree with the other ranks, which may be gathering
             self.recorder.step += 1
             return
+        self._settle_collectives()
         try:
             self._emit_pending_backward()
             self._emit_param_grads()

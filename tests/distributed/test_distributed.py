@@ -245,3 +245,26 @@ def test_a_collective_that_accumulates_in_bf16_is_named(job, tmp_path):
     assert [w.key for w in report.wrong] == [key] and report.wrong[0].ranks == [0, 1]
     r = pd_cli("ranks", str(dump))
     assert r.returncode == 1 and "WRONG COLLECTIVE" in r.stdout, r.stdout + r.stderr
+
+
+def test_async_collectives_are_recorded_without_waiting_where_issued(job):
+    """Two groups, opposite issue orders on the two ranks: the job finishes (capture waiting at
+    each issue would hang until the groups' 10 s timeout and fail), and each output is recorded
+    as reduced: before the first op that reads it, or at the step's end."""
+    for rank in (0, 1):
+        plain = torch.load(job / f"plain-async-{rank}.pt", weights_only=True)
+        assert plain["a"].tolist() == [6.0] * 3 and plain["b"].tolist() == [30.0] * 3
+        assert plain["late"].tolist() == [10.0, 10.0]
+        events = _events(job / "async" / f"rank{rank}")
+        reduces = [e for e in events if e["name"] == "c10d.allreduce_.default"]
+        by_input = {_slot(e, "input.0")["stats"]["max"]: e for e in reduces}
+        a, b = by_input[rank + 1.0], by_input[10.0 * (rank + 1)]
+        assert _slot(a, "output.0")["stats"]["max"] == 3.0 and _slot(b, "output.0")["stats"]["max"] == 30.0
+        mul = _op(events, "aten.mul_.Tensor")
+        assert a["seq"] < mul["seq"] and _slot(mul, "output.0")["stats"]["max"] == 6.0
+        assert a["collective"]["group"] != b["collective"]["group"]
+    # rank 0's last all-reduce could not complete before its step ended: recorded without output
+    late = [e for e in _events(job / "async" / "rank0") if e["name"] == "c10d.allreduce_.default"
+            and _slot(e, "input.0")["stats"]["max"] == 5.0]
+    assert len(late) == 1 and late[0]["collective"]["output"].startswith("not complete")
+    assert [t["slot"] for t in late[0]["tensors"]] == ["input.0"]

@@ -124,8 +124,35 @@ def tensor_parallel_stats(out: str, rank: int) -> None:
         cap.step()
 
 
+def async_orders(out: str, rank: int) -> None:
+    """Async all-reduces issued on two groups in opposite orders on the two ranks, waited later:
+    a capture that waited where each is issued would hang (then time out after 10 s)."""
+    short = datetime.timedelta(seconds=10)
+    g1, g2, g3 = (dist.new_group([0, 1], timeout=short) for _ in range(3))
+    a, b = torch.full((3,), float(rank + 1)), torch.full((3,), 10.0 * (rank + 1))
+    with precisiondiff.capture(os.path.join(out, "async"), model=_model(), mode="tensors") as cap:
+        if rank == 0:
+            wa, wb = dist.all_reduce(a, group=g1, async_op=True), dist.all_reduce(b, group=g2, async_op=True)
+        else:
+            wb, wa = dist.all_reduce(b, group=g2, async_op=True), dist.all_reduce(a, group=g1, async_op=True)
+        wa.wait()
+        wb.wait()
+        a.mul_(2)  # reads the reduced a (3), writes 6; b is read by no op before the step's end (30)
+        late = torch.full((2,), 5.0)
+        if rank == 0:  # rank 1 issues this one only after rank 0's capture has ended
+            w_late = dist.all_reduce(late, group=g3, async_op=True)
+        cap.step()
+    if rank == 0:
+        dist.send(torch.zeros(1), dst=1)
+        w_late.wait()
+    else:
+        dist.recv(torch.zeros(1), src=0)
+        dist.all_reduce(late, group=g3)
+    torch.save({"a": a, "b": b, "late": late}, os.path.join(out, f"plain-async-{rank}.pt"))
+
+
 SCENARIOS = {"collectives": collectives, "ddp": ddp, "fsdp2": fsdp2, "tp": tensor_parallel,
-             "tp_stats": tensor_parallel_stats}
+             "tp_stats": tensor_parallel_stats, "async": async_orders}
 
 
 def run(rank: int, world: int, port: int, out: str, names: "list[str]") -> None:
