@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .distributed import COLLECTIVE_NAMESPACES, Deferred, collective, destinations
+from .distributed import COLLECTIVE_NAMESPACES, Deferred, collective, collective_outputs, destinations
 from .ran_on import ran_on
 from .serialize import encode_args, flatten_tensors, is_replayable
 
@@ -172,8 +172,9 @@ class OpCaptureMode(TorchDispatchMode):
             if group is not None:
                 event.extra = {"collective": group}
                 # recorded when its result is ready, without waiting here (distributed.Deferred)
+                written = collective_outputs(info.name, args, out)
                 self.deferred.defer(info.name, out, lambda ready, note: self._settle(
-                    func, info, event, args, kwargs, out, group, ready, note))
+                    func, info, event, args, kwargs, written, group, ready, note), written)
                 return
         self._record_outputs(func, info, event, args, kwargs, out, info.mutable)
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 __all__ = ["COLLECTIVE_NAMESPACES", "layout", "rank_and_world", "collective", "wait_collective", "destinations",
-           "local_view", "Deferred"]
+           "local_view", "Deferred", "collective_outputs"]
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 COLLECTIVE_NAMESPACES = _NAMESPACES  # op-name prefixes of collectives
@@ -141,10 +141,14 @@ class Deferred:
     def __init__(self) -> None:
         self.items: List[_Issued] = []
 
-    def defer(self, name: str, out: Any, settle: Callable[[bool, Dict[str, str]], None]) -> None:
+    def defer(self, name: str, out: Any, settle: Callable[[bool, Dict[str, str]], None],
+              written: Any = None) -> None:
         """Hold a collective; ``settle(ready, note)`` records it (``ready`` False: without outputs,
         ``note`` says why: ``{"failed": error}`` or ``{"output": "not complete..."}``)."""
-        self.items.append(_Issued(name, out, settle))
+        item = _Issued(name, out, settle)
+        if written is not None and written is not out:  # a receive's destination
+            item.storages |= {k for k in map(_storage_key, _flat(written)) if k is not None}
+        self.items.append(item)
 
     def settle_touching(self, tensors: List[Any]) -> None:
         """Record the held collectives whose tensors share storage with ``tensors``."""
@@ -153,7 +157,7 @@ class Deferred:
         hits = [item for item in self.items if item.storages & touched]
         for item in hits:
             self.items.remove(item)
-            self._settle(item, wait=True)
+            self._settle(item)
 
     def settle_all(self, at_step_end: bool = True) -> None:
         """Record every held collective. A c10d collective on the host (gloo) whose work is not
@@ -161,20 +165,28 @@ class Deferred:
         than waited for: waiting there could hang a job that waits later on purpose."""
         items, self.items = self.items, []
         for item in items:
-            self._settle(item, wait=not (at_step_end and _incomplete_on_host(item)))
+            if item.name in _P2P and item.storages:  # a receive no op read: its work cannot be asked
+                item.settle(False, {"output": "a receive no op read before the step's end: not recorded"})
+            elif at_step_end and _incomplete_on_host(item):
+                item.settle(False, {"output": "not complete at the step's end: not recorded"})
+            else:
+                self._settle(item)
 
     @staticmethod
-    def _settle(item: _Issued, wait: bool) -> None:
-        if not wait:
-            item.settle(False, {"output": "not complete at the step's end: not recorded"})
-            return
+    def _settle(item: _Issued) -> None:
         try:
-            wait_collective(item.name, item.out)
+            if item.name not in _P2P:  # the workload waited on a send/recv: a second wait hangs on gloo
+                wait_collective(item.name, item.out)
         except Exception as err:  # noqa: BLE001 - the job's failure (a peer died), not capture's
             item.settle(False, {"failed": str(err).splitlines()[0] if str(err) else type(err).__name__})
             return
         with torch.no_grad():
             item.settle(True, {})
+
+
+# point-to-point ops: gloo counts completions of a send/recv buffer, so waiting on its work a
+# second time (after the workload did) blocks for ever; a touched receive is complete
+_P2P = {"c10d.send.default", "c10d.recv_.default", "c10d.recv_any_source_.default"}
 
 
 def _incomplete_on_host(item: _Issued) -> bool:
@@ -200,6 +212,14 @@ def wait_collective(name: str, out: Any) -> None:
         # the c10d Work as the dispatcher returns it (a TorchBind object: _type() aborts the process)
         if isinstance(v, torch.ScriptObject) and v._has_method("wait"):
             v.wait()
+
+
+def collective_outputs(name: str, args: tuple, out: Any) -> Any:
+    """What a collective writes, to record as its outputs: what it returns, except for a
+    point-to-point receive, which returns only its work and writes its first argument."""
+    if name in ("c10d.recv_.default", "c10d.recv_any_source_.default") and args:
+        return args[0]
+    return out
 
 
 # c10d ops whose first argument is a destination the collective writes without reading

@@ -268,3 +268,23 @@ def test_async_collectives_are_recorded_without_waiting_where_issued(job):
             and _slot(e, "input.0")["stats"]["max"] == 5.0]
     assert len(late) == 1 and late[0]["collective"]["output"].startswith("not complete")
     assert [t["slot"] for t in late[0]["tensors"]] == ["input.0"]
+
+
+def test_pipeline_stages_record_what_they_send_and_receive(job):
+    """A 2-stage GPipe schedule (torch.distributed.pipelining on gloo): each stage's sends and
+    receives are recorded (a receive's output when the stage reads it), and what stage 0 sends
+    is what stage 1 receives, bit for bit, and back for the gradients."""
+    def transfers(rank, name, slot):
+        events = _events(job / "pipeline" / f"rank{rank}")
+        return [_slot(e, slot)["stats"]["fingerprint"] for e in events
+                if e["name"] == name and _slot(e, slot)["shape"] == [2, 16]]
+    activations = transfers(0, "c10d.send.default", "input.0")
+    assert len(activations) == 2  # one per microbatch
+    assert transfers(1, "c10d.recv_.default", "output.0") == activations
+    gradients = transfers(1, "c10d.send.default", "input.0")
+    assert len(gradients) == 2 and transfers(0, "c10d.recv_.default", "output.0") == gradients
+    # stage 1 computed on what it received: its Linear's inputs are the received activations
+    events = _events(job / "pipeline" / "rank1")
+    linear = [_slot(e, "input.0")["stats"]["fingerprint"] for e in events
+              if e["kind"] == "module" and e["scope"] == "0" and e["direction"] == "forward"]
+    assert linear[-2:] == activations

@@ -151,8 +151,25 @@ def async_orders(out: str, rank: int) -> None:
     torch.save({"a": a, "b": b, "late": late}, os.path.join(out, f"plain-async-{rank}.pt"))
 
 
+def pipeline(out: str, rank: int) -> None:
+    """torch.distributed.pipelining, 2 stages (Linear+ReLU | Linear), GPipe, 2 microbatches."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    full = _model()
+    stage_module = nn.Sequential(full[0], full[1]) if rank == 0 else nn.Sequential(full[2])
+    stage = PipelineStage(stage_module, rank, 2, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda y, t: (y - t).square().mean())
+    with precisiondiff.capture(os.path.join(out, "pipeline"), model=stage_module, mode="stats") as cap:
+        if rank == 0:
+            schedule.step(_inputs(0))
+        else:
+            schedule.step(target=torch.zeros(4, 8), losses=[])
+        cap.step()
+
+
 SCENARIOS = {"collectives": collectives, "ddp": ddp, "fsdp2": fsdp2, "tp": tensor_parallel,
-             "tp_stats": tensor_parallel_stats, "async": async_orders}
+             "tp_stats": tensor_parallel_stats, "async": async_orders,
+             "pipeline": pipeline}
 
 
 def run(rank: int, world: int, port: int, out: str, names: "list[str]") -> None:
