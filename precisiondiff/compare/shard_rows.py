@@ -30,7 +30,7 @@ def shard_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge, device
     if gathered is not None and tuple(gathered.shape) == tuple(rb.shape):
         row.shape = list(gathered.shape)
         judge_row(row, da, db, gathered, rb, judge, device)
-        _note(row, "the full tensor gathered at capture (gather_full)")
+        _note(row, "gathered full tensor: DTensor.full_tensor() at capture (gather_full)")
         return
     why = supported(fields)
     if why is not None:
@@ -52,7 +52,7 @@ def shard_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge, device
             row.shape = list(full.shape)
             judge_row(row, MemoryTensors({ra.key: full}), db, full_record(ra.key, fields, data=True), rb,
                       judge, device)
-            _note(row, f"reassembled from the shards of ranks {sorted(shards)} ({' '.join(placements)})")
+            _note(row, f"reassembled from ranks {sorted(shards)} ({' '.join(placements)})")
             return
         if partial:
             return _unmatched(row, f"{where}: a partial sum; the reassembled tensor is compared on rank {first}")
@@ -60,7 +60,7 @@ def shard_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge, device
         part = local_slice(db.tensor(rb.key), placements, layout.coords(fields, rank), mesh_shape)
         ref = TensorRecord(key=rb.key, slot=rb.slot, dtype=rb.dtype, shape=tuple(part.shape), data_key=rb.key)
         judge_row(row, da, MemoryTensors({rb.key: part}), ra, ref, judge, device)
-        _note(row, (f"this rank's shard against the reference's matching slice; the reassembled tensor is "
+        _note(row, (f"shard against the reference's slice: this rank's part; the reassembled tensor is "
                     f"compared on rank {first}"))
         return
     if partial:
@@ -73,12 +73,12 @@ def shard_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge, device
     stats = combine_stats([p for p, _ in parts], [n for _, n in parts])
     row.shape = list(fields["global_shape"])
     judge_row(row, da, db, full_record(ra.key, fields, stats=stats), rb, judge, device)
-    _note(row, (f"statistics combined from the shards of ranks {sorted(shards)} (min, max, mean, mean |x|, "
-                "norm, NaN/Inf counts; no fingerprint)"))
+    _note(row, (f"statistics combined from ranks {sorted(shards)}: min, max, mean, mean |x|, "
+                "norm, NaN/Inf counts (no fingerprint)"))
 
 
 def _note(row: Row, note: str) -> None:
-    row.note = f"{row.note}; {note}" if row.note else note
+    row.note = f"{note}; {row.note}" if row.note else note  # the shard's story first (the report's label)
 
 
 def _numel(shape: Any) -> int:
