@@ -90,7 +90,7 @@ class FullGather:
     def _record(self, recorder: Any, n: _Noted, full: torch.Tensor) -> None:
         event = recorder.begin("gathered", n.scope, n.name, n.direction)
         event.call = n.call
-        event.extra = {"full_of": n.key}
+        event.extra = {"full_of": n.key, "mesh": list(n.mesh)}
         recorder.add(event, f"{n.slot}.full", full, fresh=True)
         recorder.finish(event)
         self.gathered += 1

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import precisiondiff
 from precisiondiff.compare import compare
+from precisiondiff.compare.ranks import check_replicas
 from precisiondiff.compare.shards import combine_stats, local_slice, reassemble
 from tests.conftest import pd_cli
 from tests.distributed import workers
@@ -108,6 +109,8 @@ def test_full_tensors_are_gathered_only_when_asked(job):
         assert weight["stats"]["min"] == pytest.approx(full[0].weight.grad.min().item(), rel=1e-6)
     assert not any(json.loads(line)["kind"] == "gathered"
                    for line in (job / "tp" / "rank0" / "index.jsonl").read_text().splitlines())
+    report = check_replicas(job / "tp-stats")  # a gathered tensor is the same on every rank of its mesh
+    assert report.ok and report.by_rule["gathered full tensor"] == 3, report.summary()
     # a --ranks selection: rank 1 noted nothing, so nothing was gathered, and no rank hung
     for rank, present in ((0, True), (1, False)):
         index = job / "tp-rank0" / f"rank{rank}" / "index.jsonl"
