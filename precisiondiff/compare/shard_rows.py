@@ -39,6 +39,8 @@ def shard_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge, device
         return _unmatched(row, f"{where}: global shape {fields['global_shape']}, {list(rb.shape)} in the "
                                "reference: not compared")
     placements = fields["placements"]
+    if fields.get("inferred_from"):
+        _note(row, f"the local tensor of DTensor {fields['inferred_from']} (same content)")
     partial = any(p.startswith("P(") for p in placements)
     first = layout.first_rank(fields)
     shards, missing = layout.shards(ra.key, fields) if rank == first else ({}, None)

@@ -4,6 +4,9 @@ Capture records a DTensor as its local shard with ``placements`` (``S(d)``, ``R`
 ``P(sum)``...), ``global_shape``, ``mesh`` (the mesh's ranks, row-major) and ``mesh_shape``.
 Against a reference that holds the global tensor, each such record of rank ``r`` is resolved so:
 
+* a plain tensor with the content (fingerprint), dtype and shape of a shard recorded on the
+  same rank is taken for that shard's local tensor (``to_local()``: a TP plan's
+  ``use_local_output``, a backward's grad_output) and gets its placements (``inferred_from``);
 * a full tensor gathered at capture (``gather_full``; a ``gathered`` event whose record names
   the shard in ``full_of``) is compared as it is, on every rank;
 * tensors mode: the global tensor is **reassembled** from the shards of every rank of the mesh
@@ -138,6 +141,13 @@ def combine_stats(parts: List[Dict[str, Any]], numels: List[int]) -> Dict[str, A
     return out
 
 
+def _content(rec: Dict[str, Any]) -> Optional[tuple]:
+    fingerprint = (rec.get("stats") or {}).get("fingerprint")
+    if not fingerprint:
+        return None
+    return fingerprint, rec.get("dtype"), tuple(rec.get("shape") or ())
+
+
 class ShardLayout:
     """The DTensor fields of a multi-rank dump A, read lazily per rank (``key -> fields``), and
     the full tensors gathered at capture (``full_of`` key -> record)."""
@@ -152,6 +162,7 @@ class ShardLayout:
         fields: Dict[str, Dict[str, Any]] = {}
         gathered: Dict[str, TensorRecord] = {}
         sub = self.dump.ranks.get(rank)
+        by_content: Dict[tuple, Dict[str, Any]] = {}
         if sub is not None:
             for _, obj, _ in iter_index(sub.path, strict=False):
                 records = (obj or {}).get("tensors") or ()
@@ -161,7 +172,25 @@ class ShardLayout:
                 for rec in records:
                     if rec.get("placements"):
                         fields[rec["key"]] = rec
+                        if is_sharded(rec) and _content(rec) is not None:
+                            by_content.setdefault(_content(rec), rec)
+            if by_content:
+                self._infer(sub, fields, by_content)
         self._fields[rank], self._gathered[rank] = fields, gathered
+
+    @staticmethod
+    def _infer(sub: Any, fields: Dict[str, Dict[str, Any]], by_content: Dict[tuple, Dict[str, Any]]) -> None:
+        """A plain tensor with the content, dtype and shape of a shard recorded on the same rank
+        is that shard after ``to_local()`` (a TP plan's ``use_local_output``, a backward's
+        grad_output): it takes the shard's placements, noted ``inferred_from``."""
+        from ..store.reader import iter_index
+        for _, obj, _ in iter_index(sub.path, strict=False):
+            for rec in (obj or {}).get("tensors") or ():
+                shard = by_content.get(_content(rec)) if not rec.get("placements") else None
+                if shard is not None and rec["key"] not in fields:
+                    fields[rec["key"]] = {**rec, "inferred_from": shard["key"],
+                                          **{k: shard[k] for k in ("placements", "global_shape", "mesh",
+                                                                   "mesh_shape") if k in shard}}
 
     def fields(self, rank: int, key: str) -> Optional[Dict[str, Any]]:
         """The raw record of ``key`` on ``rank`` when it is a DTensor, else None."""
