@@ -81,9 +81,8 @@ def local_slice(full: torch.Tensor, placements: Sequence[str], coords: Sequence[
         m = _SHARD.match(placement)
         if m:
             chunks = view.chunk(n, dim=int(m.group(1)))
-            if c >= len(chunks):  # torch.chunk gives fewer chunks than ranks: this one is empty
-                return view.narrow(int(m.group(1)), 0, 0)
-            view = chunks[c]
+            # torch.chunk gives fewer chunks than ranks for a short dimension: this one is empty
+            view = chunks[c] if c < len(chunks) else view.narrow(int(m.group(1)), 0, 0)
         elif placement != "R":
             return None
     return view

@@ -180,3 +180,11 @@ def test_combined_statistics_are_those_of_the_whole(sizes, nan):
     for name in ("min", "max", "mean", "abs_mean", "norm"):
         a, b = combined[name], expected[name]
         assert (a is None and b is None) or a == pytest.approx(b, rel=1e-12, nan_ok=True), name
+
+
+def test_a_rank_past_both_short_dimensions_holds_an_empty_shard():
+    """[S(0), S(1)] of a 1x1 tensor on a 2x2 mesh: rank (1, 1) holds 0 rows and 0 columns, as
+    DTensor gives it (found by the property above)."""
+    full = torch.ones(1, 1)
+    assert local_slice(full, ["S(0)", "S(1)"], (1, 1), (2, 2)).shape == (0, 0)
+    assert local_slice(full, ["S(0)", "S(1)"], (0, 0), (2, 2)).shape == (1, 1)
