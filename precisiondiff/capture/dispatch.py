@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .distributed import COLLECTIVE_NAMESPACES, collective, destinations, wait_collective
+from .distributed import COLLECTIVE_NAMESPACES, Deferred, collective, collective_outputs, destinations
 from .ran_on import ran_on
 from .serialize import encode_args, flatten_tensors, is_replayable
 
@@ -94,6 +94,7 @@ class OpCaptureMode(TorchDispatchMode):
         self.session = session
         self._info: Dict[Any, _OpInfo] = {}
         self._scopes: Dict[str, bool] = {}
+        self.deferred = Deferred()  # collectives recorded once their result is ready
 
     def _describe(self, func: Any) -> _OpInfo:
         name = str(func)
@@ -111,6 +112,11 @@ class OpCaptureMode(TorchDispatchMode):
         if info is None:
             info = self._describe(func)
         session = self.session
+        if self.deferred.items and info.name and not session.paused:
+            try:  # a collective's result this op touches is ready now (distributed.Deferred)
+                self.deferred.settle_touching(_flat_inputs(args, kwargs or {}))
+            except Exception as err:  # noqa: BLE001
+                session.capture_failed(err)
         if not info.name or session.paused or not session.recording:
             return func(*args, **(kwargs or {}))
         backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
@@ -161,20 +167,28 @@ class OpCaptureMode(TorchDispatchMode):
         return event
 
     def _outputs(self, func: Any, info: _OpInfo, event: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        rec = self.session.recorder
-        mutated = info.mutable
         if info.collective:
             group = collective(info.name, args, kwargs)
             if group is not None:
                 event.extra = {"collective": group}
-                # an async collective's output is read once its work is done (docs/distributed.md)
-                try:
-                    wait_collective(info.name, out)
-                except Exception as err:  # noqa: BLE001 - the job's failure (a peer died), not capture's:
-                    group["failed"] = str(err).splitlines()[0] if str(err) else type(err).__name__
-                    rec.finish(event)  # its inputs only; the workload's own wait raises the error
-                    return
-                mutated = True  # c10d ops write their tensors without declaring it in their schema
+                # recorded when its result is ready, without waiting here (distributed.Deferred)
+                written = collective_outputs(info.name, args, out)
+                self.deferred.defer(info.name, out, lambda ready, note: self._settle(
+                    func, info, event, args, kwargs, written, group, ready, note), written)
+                return
+        self._record_outputs(func, info, event, args, kwargs, out, info.mutable)
+
+    def _settle(self, func: Any, info: _OpInfo, event: Any, args: tuple, kwargs: dict, out: Any,
+                group: dict, ready: bool, note: dict) -> None:
+        if ready:  # c10d ops write their tensors without declaring it in their schema
+            self._record_outputs(func, info, event, args, kwargs, out, True)
+            return
+        group.update(note)
+        self.session.recorder.finish(event)  # its inputs only (a failed work raises in the workload)
+
+    def _record_outputs(self, func: Any, info: _OpInfo, event: Any, args: tuple, kwargs: dict, out: Any,
+                        mutated: bool) -> None:
+        rec = self.session.recorder
         # An in-place op returns its mutated input; its version counter is bumped only after this
         # mode returns, so de-duplication would take it for the unmodified tensor.
         if isinstance(out, _Tensor):

@@ -16,11 +16,12 @@ Nothing here imports torch.distributed unless it is available and initialized.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["COLLECTIVE_NAMESPACES", "layout", "rank_and_world", "collective", "wait_collective", "destinations", "local_view"]
+__all__ = ["COLLECTIVE_NAMESPACES", "layout", "rank_and_world", "collective", "wait_collective", "destinations",
+           "local_view", "Deferred", "collective_outputs"]
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 COLLECTIVE_NAMESPACES = _NAMESPACES  # op-name prefixes of collectives
@@ -109,6 +110,98 @@ def collective(name: str, args: tuple, kwargs: dict) -> Optional[Dict[str, Any]]
     return info
 
 
+def _storage_key(t: torch.Tensor) -> Any:
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _Issued:
+    __slots__ = ("name", "out", "storages", "settle")
+
+    def __init__(self, name: str, out: Any, settle: Callable[[bool, Dict[str, str]], None]) -> None:
+        self.name, self.out, self.settle = name, out, settle
+        self.storages = {k for k in map(_storage_key, _flat(out)) if k is not None}
+
+
+class Deferred:
+    """Collectives issued and not yet recorded (see the module docstring).
+
+    A collective's outputs are recorded when its result is ready without capture waiting
+    where it is issued: just before the first recorded op that touches one of its tensors (the
+    workload waited for it by then: ``Work.wait()``, or ``wait_tensor`` for functional
+    collectives, which this op may be), and at the step's end for the others. Capture then
+    waits on the work itself, which returns at once for a finished gloo collective and, on
+    NCCL/CNCL, orders the current stream after the communication stream (it does not block
+    the host), so the statistics and copies issued next read the reduced values. Recording
+    happens on the thread that dispatches the touching op, never in a communication thread.
+    """
+
+    def __init__(self) -> None:
+        self.items: List[_Issued] = []
+
+    def defer(self, name: str, out: Any, settle: Callable[[bool, Dict[str, str]], None],
+              written: Any = None) -> None:
+        """Hold a collective; ``settle(ready, note)`` records it (``ready`` False: without outputs,
+        ``note`` says why: ``{"failed": error}`` or ``{"output": "not complete..."}``)."""
+        item = _Issued(name, out, settle)
+        if written is not None and written is not out:  # a receive's destination
+            item.storages |= {k for k in map(_storage_key, _flat(written)) if k is not None}
+        self.items.append(item)
+
+    def settle_touching(self, tensors: List[Any]) -> None:
+        """Record the held collectives whose tensors share storage with ``tensors``."""
+        touched = {k for k in map(_storage_key, (t for t in tensors if isinstance(t, torch.Tensor)))
+                   if k is not None}
+        hits = [item for item in self.items if item.storages & touched]
+        for item in hits:
+            self.items.remove(item)
+            self._settle(item)
+
+    def settle_all(self, at_step_end: bool = True) -> None:
+        """Record every held collective. A c10d collective on the host (gloo) whose work is not
+        complete is recorded without outputs (``collective.output: "not complete"``) rather
+        than waited for: waiting there could hang a job that waits later on purpose."""
+        items, self.items = self.items, []
+        for item in items:
+            if item.name in _P2P and item.storages:  # a receive no op read: its work cannot be asked
+                item.settle(False, {"output": "a receive no op read before the step's end: not recorded"})
+            elif at_step_end and _incomplete_on_host(item):
+                item.settle(False, {"output": "not complete at the step's end: not recorded"})
+            else:
+                self._settle(item)
+
+    @staticmethod
+    def _settle(item: _Issued) -> None:
+        try:
+            if item.name not in _P2P:  # the workload waited on a send/recv: a second wait hangs on gloo
+                wait_collective(item.name, item.out)
+        except Exception as err:  # noqa: BLE001 - the job's failure (a peer died), not capture's
+            item.settle(False, {"failed": str(err).splitlines()[0] if str(err) else type(err).__name__})
+            return
+        with torch.no_grad():
+            item.settle(True, {})
+
+
+# point-to-point ops: gloo counts completions of a send/recv buffer, so waiting on its work a
+# second time (after the workload did) blocks for ever; a touched receive is complete
+_P2P = {"c10d.send.default", "c10d.recv_.default", "c10d.recv_any_source_.default"}
+
+
+def _incomplete_on_host(item: _Issued) -> bool:
+    """Whether a c10d collective on host tensors (gloo) has not completed yet."""
+    tensors = _flat(item.out)
+    if tensors and any(t.device.type != "cpu" for t in tensors):
+        return False
+    for v in _flat_objects(item.out):
+        if isinstance(v, torch.ScriptObject) and v._has_method("wait"):
+            # the TorchBind Work has only wait(); its Python face answers is_completed()
+            work = torch._C._distributed_c10d.Work.unbox(v)
+            return not work.is_completed()
+    return False
+
+
 def wait_collective(name: str, out: Any) -> None:
     """Make a collective's outputs ready (see the module docstring)."""
     if name.startswith("_c10d_functional.") or name.startswith("c10d_functional."):
@@ -116,9 +209,17 @@ def wait_collective(name: str, out: Any) -> None:
             torch.ops._c10d_functional.wait_tensor(t)
         return
     for v in _flat_objects(out):
-        # the c10d Work as the dispatcher returns it (Work.unbox of it aborts the process)
+        # the c10d Work as the dispatcher returns it (a TorchBind object: _type() aborts the process)
         if isinstance(v, torch.ScriptObject) and v._has_method("wait"):
             v.wait()
+
+
+def collective_outputs(name: str, args: tuple, out: Any) -> Any:
+    """What a collective writes, to record as its outputs: what it returns, except for a
+    point-to-point receive, which returns only its work and writes its first argument."""
+    if name in ("c10d.recv_.default", "c10d.recv_any_source_.default") and args:
+        return args[0]
+    return out
 
 
 # c10d ops whose first argument is a destination the collective writes without reading
@@ -152,7 +253,7 @@ def local_view(t: torch.Tensor) -> Tuple[Optional[torch.Tensor], Dict[str, Any]]
 
     Returns:
         ``(t, {})`` for a plain tensor; ``(local shard, {"placements", "global_shape",
-        "mesh"})`` for a DTensor; ``(None, {"skipped": why})`` for a tensor without data
+        "mesh", "mesh_shape"})`` for a DTensor; ``(None, {"skipped": why})`` for a tensor without data
         (meta, fake) or a subclass capture cannot see into.
     """
     cls = type(t)
@@ -166,7 +267,8 @@ def local_view(t: torch.Tensor) -> Tuple[Optional[torch.Tensor], Dict[str, Any]]
         local = t._local_tensor
         inner, info = local_view(local)
         fields = {"placements": [str(p) for p in spec.placements], "global_shape": list(t.shape),
-                  "mesh": list(spec.mesh.mesh.flatten().tolist())}
+                  "mesh": list(spec.mesh.mesh.flatten().tolist()),
+                  "mesh_shape": list(spec.mesh.mesh.shape)}
         fields.update(info)
         return inner, fields
     if name == "AsyncCollectiveTensor" and hasattr(t, "trigger_wait"):

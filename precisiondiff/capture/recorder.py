@@ -153,6 +153,7 @@ class Recorder:
         self.host_bytes = host_bytes
         self._data_bytes = 0  # host copies not yet handed to the sink
         self._streams = StreamSet()  # accelerator streams tensors of this batch were recorded on
+        self.gather: Any = None  # a gather.FullGather when full DTensors are asked for
         self.step = 0
         self.seq = 0
         self.events_written = 0
@@ -193,6 +194,8 @@ class Recorder:
             t, extra = local_view(t)
             if t is None:
                 return self._add_unmeasured(event, slot, original, extra)
+            if self.gather is not None and extra and "placements" in extra:
+                self.gather.note(self._key(event, slot), event, slot, original, t)
         stores = store and self.mode != "stats"
         if stores and t.dtype not in SUPPORTED_DTYPES:
             stores, extra = False, {**(extra or {}), "not_stored": "no dump encoding for this dtype"}

@@ -26,6 +26,7 @@ from ..errors import PrecisionDiffError
 from . import distributed
 from .dispatch import OpCaptureMode
 from .filters import CaptureFilter, parse_selection
+from .gather import FullGather, wanted as gather_wanted
 from .hooks import CURRENT_NODE, SCOPE_TAG, ModuleHooks
 from .recorder import MODES, Recorder, Sink
 
@@ -75,7 +76,7 @@ class CaptureSession(ModuleHooks):
                  level: str = "all", mode: str = "stats", format: str = "safetensors",
                  filter: Optional[CaptureFilter] = None, meta: Optional[dict] = None,
                  sink: Optional[Sink] = None, overwrite: bool = False,
-                 max_host_memory: int = DEFAULT_MAX_HOST_MEMORY) -> None:
+                 max_host_memory: int = DEFAULT_MAX_HOST_MEMORY, gather_full: "bool | str" = False) -> None:
         if level not in LEVELS:
             raise PrecisionDiffError(f"unknown level {level!r}: use one of {', '.join(LEVELS)}")
         if mode not in MODES:
@@ -87,6 +88,7 @@ class CaptureSession(ModuleHooks):
         if int(max_host_memory) < (4 << 20):
             raise PrecisionDiffError(f"--max-host-memory {max_host_memory} is too small: give at least 4 MiB")
         self.max_host_memory = int(max_host_memory)
+        self.gather_full = gather_full  # DTensors' full tensors too (gather.py)
         self.errors: List[str] = []  # capture's own failures (it stopped at the first)
         self.out, self.level, self.mode, self.format = out, level, mode, format
         self.filter = filter or CaptureFilter()
@@ -160,6 +162,8 @@ class CaptureSession(ModuleHooks):
                                   shard_bytes=self.max_host_memory // 4)
         self.recorder = Recorder(self._sink, mode=self.mode, multi_step=multi_step, rank=self.rank,
                                  host_bytes=self.max_host_memory // 4)
+        if gather_wanted(self.gather_full):
+            self.recorder.gather = FullGather(self.gather_full)
         try:
             if model is not None:
                 self._hook_model(model)
@@ -174,6 +178,7 @@ class CaptureSession(ModuleHooks):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._settle_collectives()
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -184,6 +189,8 @@ class CaptureSession(ModuleHooks):
             try:
                 self._emit_pending_backward()
                 self._emit_param_grads()
+                if exc_type is None:
+                    self._gather_full()
                 self.recorder.flush()
             except Exception as err:  # noqa: BLE001
                 self.capture_failed(err)
@@ -240,16 +247,46 @@ class CaptureSession(ModuleHooks):
         except Warning:  # warnings turned into errors must not reach the workload either
             pass
 
+    def _settle_collectives(self) -> None:
+        """Record the collectives no op has read yet (distributed.Deferred); never raises."""
+        deferred = self._mode.deferred if self._mode is not None else None
+        if not deferred or not deferred.items:
+            return
+        if self.errors:
+            deferred.items.clear()
+            return
+        was, self.paused = self.paused, True
+        try:
+            deferred.settle_all()
+        except Exception as err:  # noqa: BLE001
+            self.capture_failed(err)
+        finally:
+            self.paused = was
+
+    def _gather_full(self) -> None:
+        """Gather the noted DTensors' full tensors on every rank (gather.py); never raises."""
+        gather = self.recorder.gather if self.recorder is not None else None
+        if gather is None:
+            return
+        try:
+            with self.suspended():
+                gather.exchange(None if self.errors or not self.recording else self.recorder)
+        except Exception as err:  # noqa: BLE001
+            self.capture_failed(err)
+
     def step(self) -> None:
         """End a training step: emit parameter gradients, then number events from step+1."""
         if distributed.is_initialized():
             self._layout = distributed.layout()
         if self.errors:
+            self._gather_full()  # agree with the other ranks, which may be gathering
             self.recorder.step += 1
             return
+        self._settle_collectives()
         try:
             self._emit_pending_backward()
             self._emit_param_grads()
+            self._gather_full()
             self.paused = True  # the sink may run tensor ops: they must not be recorded
             self.recorder.end_step()
         except Exception as err:  # noqa: BLE001
@@ -272,7 +309,8 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
             op: Optional[str] = None, op_exclude: Optional[str] = None,
             steps: "str | None" = None, ranks: "str | None" = None, views: bool = False,
             meta: Optional[dict] = None, sink: Optional[Sink] = None,
-            overwrite: bool = False, max_host_memory: int = DEFAULT_MAX_HOST_MEMORY) -> CaptureSession:
+            overwrite: bool = False, max_host_memory: int = DEFAULT_MAX_HOST_MEMORY,
+            gather_full: "bool | str" = False) -> CaptureSession:
     """Capture a model's (or, with ``model=None``, a whole program's) numerics into a dump.
 
     Args:
@@ -288,6 +326,8 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
         sink: send events to this sink instead of a dump directory.
         overwrite: replace an existing dump.
         max_host_memory: bytes of tensor copies capture may hold on the host (default 2 GiB).
+        gather_full: also record DTensors' full tensors (``True``, or a regex on record keys),
+            gathered at each step's end on every rank (docs/distributed.md); default local shards only.
 
     Returns:
         A :class:`CaptureSession` to use as a context manager; call ``.step()`` between steps.
@@ -299,4 +339,5 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
     filt = CaptureFilter(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
                          steps=parse_selection(steps), ranks=parse_selection(ranks), views=views)
     return CaptureSession(out, model=model, level=level, mode=mode, format=format, filter=filt,
-                          meta=meta, sink=sink, overwrite=overwrite, max_host_memory=max_host_memory)
+                          meta=meta, sink=sink, overwrite=overwrite, max_host_memory=max_host_memory,
+                          gather_full=gather_full)

@@ -23,12 +23,18 @@ __all__ = ["capture", "refuse_workload_with_script"]
 @click.option("--overwrite", is_flag=True, help="replace an existing dump in OUT")
 @click.option("--max-host-memory", "max_host_memory", default="2GiB", show_default=True, metavar="SIZE",
               help="host memory for tensor copies waiting to be written (tensors/replay modes), e.g. 512MiB")
+@click.option("--gather-full", "gather_full", is_flag=True,
+              help="also record DTensors' full tensors, gathered at each step's end (default: local shards)")
+@click.option("--gather-full-only", "gather_only", default=None, metavar="REGEX",
+              help="--gather-full for the DTensors whose record key matches REGEX only")
 def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, op, op_exclude,
-            steps, ranks, script, views, train, repeat, overwrite, max_host_memory) -> None:
+            steps, ranks, script, views, train, repeat, overwrite, max_host_memory, gather_full,
+            gather_only) -> None:
     """Capture a workload (path/file.py:fn, package.module:fn or hf:PATH) or a script into a dump."""
     from ..capture.runner import capture_script, capture_workload
     filters = dict(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
-                   ranks=ranks, views=views, max_host_memory=parse_size(max_host_memory))
+                   ranks=ranks, views=views, max_host_memory=parse_size(max_host_memory),
+                   gather_full=gather_only or gather_full)
     if script:
         if target:
             raise PrecisionDiffError("--target has no effect with --script: the script places its model "
@@ -67,7 +73,7 @@ def parse_size(text: str) -> int:
 
 _VALUED = {"-o", "--out", "-t", "--target", "--level", "--mode", "--format", "--seed", "--scope",
            "--scope-exclude", "--op", "--op-exclude", "--steps", "--ranks", "--script", "--repeat",
-           "--max-host-memory"}
+           "--max-host-memory", "--gather-full-only"}
 
 
 def refuse_workload_with_script(args: list) -> None:

@@ -8,7 +8,8 @@ ranks that hold it:
 
 * the outputs of replicating collectives (all-reduce, all-gather, broadcast, c10d and
   functional) across the ranks of their group;
-* DTensor records whose placements are all ``Replicate`` (``"R"``), across their mesh;
+* DTensor records whose placements are all ``Replicate`` (``"R"``), and full tensors gathered
+  at capture (``gather_full``), across their mesh;
 * parameter gradients of a ``DistributedDataParallel`` model (all-reduced before
   ``optimizer.step()``), across all ranks;
 * any key matching ``replicated`` (a regex), across all ranks.
@@ -88,6 +89,8 @@ def _why(event: Dict[str, Any], record: Dict[str, Any], ddp: bool,
     coll = event.get("collective")
     if coll and record["slot"].startswith("output") and REPLICATING_COLLECTIVES.match(str(coll.get("op", ""))):
         return "collective output", coll.get("ranks")
+    if event.get("full_of"):  # DTensor.full_tensor() at capture: the same on every rank of its mesh
+        return "gathered full tensor", event.get("mesh")
     placements = record.get("placements")
     if placements and all(p in ("R", "Replicate()") for p in placements):
         return "replicated DTensor", record.get("mesh")

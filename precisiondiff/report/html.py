@@ -80,10 +80,11 @@ def _row_html(r: Row, first_key: Optional[tuple], suspects: Optional[Dict[str, i
     is_first = first_key == (r.rank, r.key) and r.verdict == "fail"
     rank = (suspects or {}).get(r.key)
     note = "FIRST DIVERGENCE" + (f"; SUSPECT {rank} (x{format_number(r.growth)})" if rank else "") if is_first else (
-        f"only in {'A' if r.side == 'a' else 'B'}" if r.verdict == "unmatched" else
+        ("shard, not compared" if r.mode == "shard" else f"only in {'A' if r.side == 'a' else 'B'}")
+        if r.verdict == "unmatched" else
         f"SUSPECT {rank} (x{format_number(r.growth)})" if rank else
         "within noise" if r.within_noise else "uninitialized, skipped" if r.mode == "uninitialized"
-        else "dtype fill constants" if r.note else "fused" if r.match == "fused" else "")
+        else r.note.split(":")[0].split(";")[0] if r.note else "fused" if r.match == "fused" else "")
     cls = r.verdict + (" firstdiv" if is_first else "")
     cells = [f'<td class="num" data-v="{r.rank}">{r.rank}</td>', f'<td class="num" data-v="{r.seq}">{r.seq}</td>']
     cells += [f"<td>{_e(x)}</td>" for x in (r.direction, r.kind, r.scope or "(root)", r.name, r.slot,

@@ -109,14 +109,14 @@ def render_table(c: Comparison, console: Any, *, rows: Optional[List[Row]] = Non
     for r in rows:
         first = bool(fd) and r.key == fd["key"] and r.rank == fd.get("rank", r.rank) and r.verdict == "fail"
         note = "within noise" if r.within_noise else ("fused" if r.match == "fused" else "")
-        if r.note:
-            note = "dtype fill constants"
+        if r.note:  # its first clause: "dtype fill constants", "reassembled from ranks [0, 1] (S(1))"...
+            note = r.note.split(":")[0].split(";")[0]
         if r.key in suspects:
             note = f"SUSPECT {suspects[r.key]} (x{format_number(r.growth)})"
         if r.mode == "uninitialized":
             note = "uninitialized, skipped"
         if r.verdict == "unmatched":
-            note = f"only in {'A' if r.side == 'a' else 'B'}"
+            note = "shard, not compared" if r.mode == "shard" else f"only in {'A' if r.side == 'a' else 'B'}"
         if first:
             note = "FIRST DIVERGENCE" + (f"; SUSPECT {suspects[r.key]} (x{format_number(r.growth)})"
                                          if r.key in suspects else "")

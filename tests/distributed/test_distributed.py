@@ -8,33 +8,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import precisiondiff.store as store
 from precisiondiff.compare.ranks import check_replicas
 from tests.conftest import pd_cli
 from tests.distributed import workers
+from tests.distributed.conftest import free_port
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("job")
-    mp.spawn(workers.run, args=(2, free_port(), str(out), list(workers.SCENARIOS)), nprocs=2)
-    return out
 
 
 def _events(path):
@@ -202,25 +186,6 @@ def test_a_rank_that_dies_leaves_every_dump_usable(tmp_path):
     assert c.returncode == 0, c.stdout + c.stderr
 
 
-def test_tensor_parallel_ranks_against_a_single_process_reference(job, tmp_path):
-    import precisiondiff
-    from precisiondiff.compare import compare
-
-    model = workers._model()
-    with precisiondiff.capture(tmp_path / "ref", model=model, mode="tensors") as cap:
-        model(workers._inputs(0)).sum().backward()
-        cap.step()
-    c = compare(job / "tp", tmp_path / "ref")
-    compared = [r for r in c.rows if r.verdict != "unmatched"]
-    assert c.summary["failed"] == 0 and {r.rank for r in compared} == {0, 1}
-    # the replicated outputs (after the rowwise all-reduce) are compared on every rank...
-    assert {(r.rank, r.scope, r.name) for r in compared if r.slot == "output.0" and r.kind == "module"} == \
-        {(k, s, n) for k in (0, 1) for s, n in (("2", "Linear"), ("", "Sequential"))}
-    # ...shards and partial sums are not (the colwise output, the rowwise addmm before its reduce)
-    shards = [r for r in c.rows if r.mode == "shard"]
-    assert {(r.scope, r.name) for r in shards} >= {("0", "Linear"), ("2", "aten.addmm.default")}
-
-
 def test_rank_parallel_compare_gives_the_sequential_rows(job, tmp_path):
     import os
     import subprocess
@@ -280,3 +245,46 @@ def test_a_collective_that_accumulates_in_bf16_is_named(job, tmp_path):
     assert [w.key for w in report.wrong] == [key] and report.wrong[0].ranks == [0, 1]
     r = pd_cli("ranks", str(dump))
     assert r.returncode == 1 and "WRONG COLLECTIVE" in r.stdout, r.stdout + r.stderr
+
+
+def test_async_collectives_are_recorded_without_waiting_where_issued(job):
+    """Two groups, opposite issue orders on the two ranks: the job finishes (capture waiting at
+    each issue would hang until the groups' 10 s timeout and fail), and each output is recorded
+    as reduced: before the first op that reads it, or at the step's end."""
+    for rank in (0, 1):
+        plain = torch.load(job / f"plain-async-{rank}.pt", weights_only=True)
+        assert plain["a"].tolist() == [6.0] * 3 and plain["b"].tolist() == [30.0] * 3
+        assert plain["late"].tolist() == [10.0, 10.0]
+        events = _events(job / "async" / f"rank{rank}")
+        reduces = [e for e in events if e["name"] == "c10d.allreduce_.default"]
+        by_input = {_slot(e, "input.0")["stats"]["max"]: e for e in reduces}
+        a, b = by_input[rank + 1.0], by_input[10.0 * (rank + 1)]
+        assert _slot(a, "output.0")["stats"]["max"] == 3.0 and _slot(b, "output.0")["stats"]["max"] == 30.0
+        mul = _op(events, "aten.mul_.Tensor")
+        assert a["seq"] < mul["seq"] and _slot(mul, "output.0")["stats"]["max"] == 6.0
+        assert a["collective"]["group"] != b["collective"]["group"]
+    # rank 0's last all-reduce could not complete before its step ended: recorded without output
+    late = [e for e in _events(job / "async" / "rank0") if e["name"] == "c10d.allreduce_.default"
+            and _slot(e, "input.0")["stats"]["max"] == 5.0]
+    assert len(late) == 1 and late[0]["collective"]["output"].startswith("not complete")
+    assert [t["slot"] for t in late[0]["tensors"]] == ["input.0"]
+
+
+def test_pipeline_stages_record_what_they_send_and_receive(job):
+    """A 2-stage GPipe schedule (torch.distributed.pipelining on gloo): each stage's sends and
+    receives are recorded (a receive's output when the stage reads it), and what stage 0 sends
+    is what stage 1 receives, bit for bit, and back for the gradients."""
+    def transfers(rank, name, slot):
+        events = _events(job / "pipeline" / f"rank{rank}")
+        return [_slot(e, slot)["stats"]["fingerprint"] for e in events
+                if e["name"] == name and _slot(e, slot)["shape"] == [2, 16]]
+    activations = transfers(0, "c10d.send.default", "input.0")
+    assert len(activations) == 2  # one per microbatch
+    assert transfers(1, "c10d.recv_.default", "output.0") == activations
+    gradients = transfers(1, "c10d.send.default", "input.0")
+    assert len(gradients) == 2 and transfers(0, "c10d.recv_.default", "output.0") == gradients
+    # stage 1 computed on what it received: its Linear's inputs are the received activations
+    events = _events(job / "pipeline" / "rank1")
+    linear = [_slot(e, "input.0")["stats"]["fingerprint"] for e in events
+              if e["kind"] == "module" and e["scope"] == "0" and e["direction"] == "forward"]
+    assert linear[-2:] == activations

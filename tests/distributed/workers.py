@@ -7,6 +7,7 @@ torch.save (the test reads them with ``weights_only=True``).
 """
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -104,7 +105,71 @@ def tensor_parallel(out: str, rank: int) -> None:
                os.path.join(out, f"plain-tp-{rank}.pt"))
 
 
-SCENARIOS = {"collectives": collectives, "ddp": ddp, "fsdp2": fsdp2, "tp": tensor_parallel}
+def tensor_parallel_stats(out: str, rank: int) -> None:
+    """The same tensor-parallel step in stats mode, parameter gradients gathered in full."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with precisiondiff.capture(os.path.join(out, "tp-stats"), model=model, mode="stats",
+                               gather_full="param_grad") as cap:
+        model(_inputs(0)).sum().backward()
+        cap.step()
+    # rank 1 records nothing: it must still take part in agreeing what to gather (or rank 0 hangs)
+    with precisiondiff.capture(os.path.join(out, "tp-rank0"), model=model, mode="stats", ranks="0",
+                               gather_full=True) as cap:
+        model(_inputs(0)).sum().backward()
+        cap.step()
+
+
+def async_orders(out: str, rank: int) -> None:
+    """Async all-reduces issued on two groups in opposite orders on the two ranks, waited later:
+    a capture that waited where each is issued would hang (then time out after 10 s)."""
+    short = datetime.timedelta(seconds=10)
+    g1, g2, g3 = (dist.new_group([0, 1], timeout=short) for _ in range(3))
+    a, b = torch.full((3,), float(rank + 1)), torch.full((3,), 10.0 * (rank + 1))
+    with precisiondiff.capture(os.path.join(out, "async"), model=_model(), mode="tensors") as cap:
+        if rank == 0:
+            wa, wb = dist.all_reduce(a, group=g1, async_op=True), dist.all_reduce(b, group=g2, async_op=True)
+        else:
+            wb, wa = dist.all_reduce(b, group=g2, async_op=True), dist.all_reduce(a, group=g1, async_op=True)
+        wa.wait()
+        wb.wait()
+        a.mul_(2)  # reads the reduced a (3), writes 6; b is read by no op before the step's end (30)
+        late = torch.full((2,), 5.0)
+        if rank == 0:  # rank 1 issues this one only after rank 0's capture has ended
+            w_late = dist.all_reduce(late, group=g3, async_op=True)
+        cap.step()
+    if rank == 0:
+        dist.send(torch.zeros(1), dst=1)
+        w_late.wait()
+    else:
+        dist.recv(torch.zeros(1), src=0)
+        dist.all_reduce(late, group=g3)
+    torch.save({"a": a, "b": b, "late": late}, os.path.join(out, f"plain-async-{rank}.pt"))
+
+
+def pipeline(out: str, rank: int) -> None:
+    """torch.distributed.pipelining, 2 stages (Linear+ReLU | Linear), GPipe, 2 microbatches."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    full = _model()
+    stage_module = nn.Sequential(full[0], full[1]) if rank == 0 else nn.Sequential(full[2])
+    stage = PipelineStage(stage_module, rank, 2, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda y, t: (y - t).square().mean())
+    with precisiondiff.capture(os.path.join(out, "pipeline"), model=stage_module, mode="stats") as cap:
+        if rank == 0:
+            schedule.step(_inputs(0))
+        else:
+            schedule.step(target=torch.zeros(4, 8), losses=[])
+        cap.step()
+
+
+SCENARIOS = {"collectives": collectives, "ddp": ddp, "fsdp2": fsdp2, "tp": tensor_parallel,
+             "tp_stats": tensor_parallel_stats, "async": async_orders,
+             "pipeline": pipeline}
 
 
 def run(rank: int, world: int, port: int, out: str, names: "list[str]") -> None:
@@ -112,7 +177,8 @@ def run(rank: int, world: int, port: int, out: str, names: "list[str]") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a hang (collectives issued in different orders) fails the test instead of blocking CI
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         for name in names:
             SCENARIOS[name](out, rank)
