@@ -241,13 +241,18 @@ class GoldenMode(TorchDispatchMode):
             of the replayed calls, in call order: each random op returns the next one (upcast)
             instead of drawing fresh numbers, so the replay sees the DUT's own dropout masks.
         counter: optional dict; ``counter["ops"]`` is incremented per op that is not a view
-            (cost accounting: capture does not record views either).
+            (cost accounting: capture does not record views either); ``counter["reused"]`` per
+            op taken from ``reuse`` instead (not run).
+        reuse: emulation only: a :class:`~precisiondiff.bisect.reuse.RoundedOps`; an op called
+            with exactly the arguments of a recorded call whose DUT output is its golden
+            correctly rounded returns that output (what the emulation computes) without running.
     """
 
     def __init__(self, *, fallback: Optional[Set[str]] = None, round_to: Optional[torch.dtype] = None,
                  counter: Optional[Dict[str, int]] = None, decompose: bool = False,
-                 random_outputs: Optional[List[List[torch.Tensor]]] = None) -> None:
+                 random_outputs: Optional[List[List[torch.Tensor]]] = None, reuse: Any = None) -> None:
         super().__init__()
+        self.reuse = reuse if round_to is not None and not decompose else None
         self.fallback = fallback or set()
         self.round_to = round_to
         self.counter = counter
@@ -257,6 +262,12 @@ class GoldenMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         name = str(func)
+        if self.reuse is not None and name not in self.fallback and not getattr(func, "is_view", False):
+            hit = self.reuse.lookup(name, args, kwargs)
+            if hit is not None:
+                if self.counter is not None:
+                    self.counter["reused"] = self.counter.get("reused", 0) + 1
+                return hit
         # counted like capture records ops (views and aliases are not ops of the step), so
         # that ops replayed / ops per forward is in forwards of the workload
         if self.counter is not None and not getattr(func, "is_view", False):
