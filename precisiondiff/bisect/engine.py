@@ -18,7 +18,7 @@ from . import judge as J
 from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
                       replay_module_forward, replay_module_step, replay_op, resolve_op)
 from .references import reference_for
-from .reuse import RoundedOps
+from .reuse import ReplayedOps, RoundedOps
 from .search import Finding, Judgement, Search, Unit
 
 __all__ = ["EngineInput", "EngineOutput", "run_search", "random_outputs_of", "random_outputs_in_order", "DATA_MOVEMENT_OPS"]
@@ -182,7 +182,7 @@ def run_search(inp: EngineInput) -> EngineOutput:
     counter: Dict[str, int] = {"ops": 0}
     rounded = RoundedOps(inp.ref_device, inp.ref_dtype, inp.dut_dtype) if inp.module_of is not None else None
     pair = _top_level_pairs(events, parents, forward_calls)
-    shared: Dict[int, Dict[str, torch.Tensor]] = {}
+    shared: Dict[int, Any] = {}
     unreplayable: List[str] = []
     details: Dict[int, dict] = {}
     # module uid -> the unreplayable ops it stands in for (innermost replayable module)
@@ -356,13 +356,13 @@ def _is_random(ev: UnitEvent) -> bool:
 
 def _golden_step(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitEvent, inp: EngineInput, fallback: set,
                  randoms: List[List[torch.Tensor]], counter: Dict[str, int],
-                 shared: Dict[int, Dict[str, torch.Tensor]]) -> Optional[Dict[str, torch.Tensor]]:
+                 shared: Dict[int, Any], replayed: ReplayedOps) -> Optional[Dict[str, torch.Tensor]]:
     """The golden of a top-level module's forward call from the replay that its backward call
     needs anyway (the backward replay recomputes the forward): the backward's golden is kept in
-    ``shared`` for when the search reaches it. None when that replay fails (then the forward
-    is replayed alone, as before)."""
+    ``shared`` (with ``replayed``, the replay's first-level ops) for when the search reaches it.
+    None when that replay fails (then the forward is replayed alone, as before)."""
     ops: Dict[str, int] = {}
-    mode = GoldenMode(fallback=fallback, counter=ops, random_outputs=randoms)
+    mode = GoldenMode(fallback=fallback, counter=ops, random_outputs=randoms, replayed=replayed)
     try:
         outputs, grads = replay_module_step(template, fwd, bwd, device=inp.ref_device, dtype=inp.ref_dtype,
                                             mode=mode)
@@ -370,14 +370,14 @@ def _golden_step(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitEvent, inp:
         return None
     finally:
         _count(counter, "module_golden", ops.get("ops", 0))
-    shared[bwd.seq] = grads
+    shared[bwd.seq] = (grads, replayed)
     return outputs
 
 
 def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fallback: set,
                   forward_calls: Dict[Tuple[str, str], List[UnitEvent]],
                   held: Sequence[UnitEvent] = (), bwd: Optional[UnitEvent] = None,
-                  shared: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
+                  shared: Optional[Dict[int, Any]] = None,
                   rounded: Optional[RoundedOps] = None) -> Tuple[Judgement, dict]:
     """Judge a module call against emulated rounding (judge.py). A module that holds ops which
     could not be replayed (``held``) stands in for them: it is also judged per element against
@@ -401,11 +401,13 @@ def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fall
 
     randoms = inp.random_outputs(fwd) if inp.random_outputs is not None else []
 
+    replayed = ReplayedOps(inp.dut_dtype)
+
     def replay(round_to: Optional[torch.dtype], decompose: bool = False) -> Dict[str, torch.Tensor]:
         kind = "module_golden" if round_to is None else ("module_semantic" if decompose else "module_emulated")
         ops: Dict[str, int] = {}
         mode = GoldenMode(fallback=fallback, round_to=round_to, counter=ops, decompose=decompose,
-                          random_outputs=randoms, reuse=rounded)
+                          random_outputs=randoms, reuse=rounded, replayed=replayed)
         try:
             if ev.direction == "forward":
                 return replay_module_forward(template, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
@@ -415,9 +417,11 @@ def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fall
             counter["reused"] = counter.get("reused", 0) + ops.get("reused", 0)
 
     try:
-        golden = shared.pop(ev.seq, None) if shared is not None else None
+        golden = None
+        if shared is not None and ev.seq in shared:
+            golden, replayed = shared.pop(ev.seq)
         if golden is None and bwd is not None:
-            golden = _golden_step(template, ev, bwd, inp, fallback, randoms, counter, shared)
+            golden = _golden_step(template, ev, bwd, inp, fallback, randoms, counter, shared, replayed)
         if golden is None:
             golden = replay(None)
     except Unreplayable as err:

@@ -23,7 +23,7 @@ import torch
 from ..capture.serialize import decode_args
 from .isolate import UnitEvent, _loader, _upcaster, _dtype_map
 
-__all__ = ["RoundedOps"]
+__all__ = ["RoundedOps", "ReplayedOps"]
 
 Key = Tuple[Any, ...]
 
@@ -122,4 +122,44 @@ class RoundedOps:
                 outs = [ev.load(f"output.{i}").to(device=self.device, dtype=self.dtype) for i in range(n_out)]
                 self.hits += 1
                 return outs[0] if len(outs) == 1 else tuple(outs)
+        return None
+
+
+class ReplayedOps:
+    """The op calls of one unit's golden replay whose floating arguments are all exact in the
+    DUT dtype (the unit's inputs and parameters, upcast; the DUT's ``grad_output``): the
+    unit's emulated replay makes the same calls with the same arguments (its inputs are the
+    same and rounding leaves them unchanged), so it takes their golden outputs, rounded, instead
+    of running them again. Exact: the arguments are compared bit for bit. Holds copies of those
+    calls' arguments and outputs until the unit is judged (first-level ops only)."""
+
+    def __init__(self, round_to: torch.dtype) -> None:
+        self.round_to = round_to
+        self._by_key: Dict[Key, List[Tuple[List[Any], Any]]] = {}
+
+    def record(self, name: str, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Keep ``out`` of this call of the golden replay if its arguments are exact in the DUT dtype."""
+        if getattr(getattr(func, "_schema", None), "is_mutable", True):
+            return
+        leaves = _leaves(args, kwargs)
+        floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not floats or any(not torch.equal(t, t.to(self.round_to).to(t.dtype)) for t in floats):
+            return
+        key = _key(name, leaves)
+        if key is None:
+            return
+        copy = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        self._by_key.setdefault(key, []).append(([copy(v) for v in leaves],
+                                                 torch.utils._pytree.tree_map(copy, out)))
+
+    def lookup(self, name: str, args: Any, kwargs: Any, round_to: torch.dtype) -> Optional[Any]:
+        """The golden replay's output of exactly this call, rounded to ``round_to``, else None."""
+        if not self._by_key:
+            return None
+        leaves = _leaves(args, kwargs)
+        for recorded, out in self._by_key.get(_key(name, leaves) or ("",), []):
+            if _same(recorded, leaves):
+                rnd = lambda v: (v.to(round_to).to(v.dtype) if isinstance(v, torch.Tensor)  # noqa: E731
+                                 and v.is_floating_point() else v.clone() if isinstance(v, torch.Tensor) else v)
+                return torch.utils._pytree.tree_map(rnd, out)
         return None

@@ -1,4 +1,5 @@
-"""Emulation from the op replays (bisect/reuse.py): exact, never an approximation."""
+"""Emulation from the op replays and from the golden replay (bisect/reuse.py): exact, never an
+approximation."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from precisiondiff.bisect import bisect
 from precisiondiff.bisect import engine
 from precisiondiff.bisect.isolate import UnitEvent
-from precisiondiff.bisect.reuse import RoundedOps
+from precisiondiff.bisect.reuse import ReplayedOps, RoundedOps
 
 from . import planted
 
@@ -38,7 +39,8 @@ def test_a_correctly_rounded_call_is_reused_only_for_exactly_its_arguments():
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook")
-@pytest.mark.parametrize("factory", [planted.ill_conditioned_workload, planted.bad_backward_workload])
+@pytest.mark.parametrize("factory", [planted.ill_conditioned_workload, planted.bad_backward_workload,
+                                     planted.vendor_workload])
 def test_module_judgements_are_bit_identical_with_and_without_reuse(factory, monkeypatch):
     seen = []
     run_search = engine.run_search
@@ -51,7 +53,21 @@ def test_module_judgements_are_bit_identical_with_and_without_reuse(factory, mon
     monkeypatch.setattr("precisiondiff.bisect.live.run_search", spy)
     with_reuse = bisect(factory, target="cpu/bf16")
     monkeypatch.setattr(RoundedOps, "lookup", lambda self, *a, **k: None)
+    monkeypatch.setattr(ReplayedOps, "lookup", lambda self, *a, **k: None)
     without = bisect(factory, target="cpu/bf16")
     assert with_reuse.cost["ops_reused"] > 0 and without.cost["ops_reused"] == 0
     assert seen[0] == seen[1] and with_reuse.verdict == without.verdict and with_reuse.culprit == without.culprit
     assert with_reuse.cost["forward_equivalents"] < without.cost["forward_equivalents"]
+
+
+def test_the_golden_replay_gives_its_first_level_calls_to_the_emulation_rounded():
+    x = torch.randn(4, 8).bfloat16().double()  # exact in bf16: a module input, upcast
+    w = torch.randn(8, 8).bfloat16().double()
+    replayed = ReplayedOps(torch.bfloat16)
+    mm = torch.ops.aten.mm.default
+    golden = mm(x, w)
+    replayed.record("aten.mm.default", mm, (x, w), {}, golden)
+    replayed.record("aten.mm.default", mm, (golden, w), {}, mm(golden, w))  # not exact in bf16: not kept
+    hit = replayed.lookup("aten.mm.default", (x.clone(), w.clone()), {}, torch.bfloat16)
+    assert torch.equal(hit, golden.bfloat16().double())
+    assert replayed.lookup("aten.mm.default", (golden.bfloat16().double(), w), {}, torch.bfloat16) is None
