@@ -76,7 +76,7 @@ def run_case(name: str) -> dict:
     return {"case": name, "verdict": r.verdict,
             "culprit": f"{culprit['name']} in {culprit['scope'] or '<root>'} ({culprit['direction']})" if culprit else "-",
             "backward": wl.loss is not None, "forward_equivalents": c["forward_equivalents"], "steps": steps,
-            "breakdown": c.get("breakdown"), "ops_replayed": c.get("ops_replayed"),
+            "breakdown": c.get("breakdown"), "ops_replayed": c.get("ops_replayed"), "ops_reused": c.get("ops_reused"),
             "ops_per_forward": c.get("ops_per_forward"), "dut_runs": c.get("dut_runs"), "ref_runs": c.get("ref_runs"),
             "wall_s": round(wall, 3), "step_s": round(step_s, 5), "wall_over_step": round(wall / step_s, 1),
             "model_mib": round(model_bytes / 2 ** 20, 3), "base_rss_mib": round(base_rss, 1),
@@ -119,7 +119,8 @@ def main() -> None:
     print(f"geometric mean {gmean:.2f} steps, max {worst} (goal: <= 2.5, none above 3)")
     for r in done:
         if r.get("breakdown"):
-            print(f"  {r['case']}: " + ", ".join(f"{k} {v}" for k, v in r["breakdown"].items() if v))
+            print(f"  {r['case']}: " + ", ".join(f"{k} {v}" for k, v in r["breakdown"].items() if v)
+                  + (f"; {r['ops_reused']} emulated ops reused, not run" if r.get("ops_reused") else ""))
 
 
 if __name__ == "__main__":

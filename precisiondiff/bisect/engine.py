@@ -16,7 +16,9 @@ from ..comparators.peers import compute_dtype
 from . import _compat
 from . import judge as J
 from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
-                      replay_module_forward, replay_module_step, replay_op)
+                      replay_module_forward, replay_module_step, replay_op, resolve_op)
+from .references import reference_for
+from .reuse import ReplayedOps, RoundedOps
 from .search import Finding, Judgement, Search, Unit
 
 __all__ = ["EngineInput", "EngineOutput", "run_search", "random_outputs_of", "random_outputs_in_order", "DATA_MOVEMENT_OPS"]
@@ -86,6 +88,7 @@ class EngineOutput:
     unreplayable_ops: List[str]
     breakdown: Dict[str, int] = field(default_factory=dict)
     skipped: List[int] = field(default_factory=list)
+    reused_ops: int = 0  # emulated ops taken from the op replays (reuse.py), not run
 
 
 def _is_candidate_op(ev: UnitEvent) -> bool:
@@ -177,8 +180,9 @@ def run_search(inp: EngineInput) -> EngineOutput:
     for calls in forward_calls.values():
         calls.sort(key=lambda e: e.call)
     counter: Dict[str, int] = {"ops": 0}
+    rounded = RoundedOps(inp.ref_device, inp.ref_dtype, inp.dut_dtype) if inp.module_of is not None else None
     pair = _top_level_pairs(events, parents, forward_calls)
-    shared: Dict[int, Dict[str, torch.Tensor]] = {}
+    shared: Dict[int, Any] = {}
     unreplayable: List[str] = []
     details: Dict[int, dict] = {}
     # module uid -> the unreplayable ops it stands in for (innermost replayable module)
@@ -190,7 +194,7 @@ def run_search(inp: EngineInput) -> EngineOutput:
         if inp.progress is not None:
             inp.progress(done, total, f"{ev.direction} {ev.scope or '<root>'} {ev.name}")
         if ev.kind == "op":
-            judgement, detail = _judge_op(ev, inp, counter)
+            judgement, detail = _judge_op(ev, inp, counter, rounded)
             if not judgement.replayable:
                 if ev.name not in unreplayable:
                     unreplayable.append(ev.name)
@@ -200,7 +204,7 @@ def run_search(inp: EngineInput) -> EngineOutput:
             held = [by_seq[u] for u in holding.get(uid, [])]
             judgement, detail = _judge_module(ev, inp, counter, set(unreplayable), forward_calls, held,
                                               bwd=pair[uid] if uid in pair and search.will_judge(pair[uid].seq) else None,
-                                              shared=shared)
+                                              shared=shared, rounded=rounded)
             if not judgement.replayable and held and parents[uid] is not None:
                 holding.setdefault(parents[uid], []).extend(holding.pop(uid))
             if held and judgement.replayable:
@@ -213,9 +217,9 @@ def run_search(inp: EngineInput) -> EngineOutput:
     if inp.progress is not None:
         inp.progress(total, total, "done")
     forward_ops = sum(1 for e in inp.events if e.kind == "op" and e.direction == "forward") or 1
-    breakdown = {k: v for k, v in counter.items() if k != "ops"}
+    breakdown = {k: v for k, v in counter.items() if k not in ("ops", "reused")}
     return EngineOutput(search.result(), by_seq, details, counter["ops"], forward_ops, unreplayable,
-                        breakdown=breakdown, skipped=list(search.skipped))
+                        breakdown=breakdown, skipped=list(search.skipped), reused_ops=counter.get("reused", 0))
 
 
 def _top_level_pairs(events: List[UnitEvent], parents: Dict[int, Optional[int]],
@@ -233,7 +237,8 @@ def _top_level_pairs(events: List[UnitEvent], parents: Dict[int, Optional[int]],
     return out
 
 
-def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple[Judgement, dict]:
+def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int],
+              rounded: Optional[RoundedOps] = None) -> Tuple[Judgement, dict]:
     """Judge an op call by the peer rule (judge.py): its error against what correct
     implementations in the DUT dtype give on the same inputs. Random ops are data."""
     if _is_random(ev):
@@ -259,6 +264,8 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int]) -> Tuple
     outputs = _op_outputs(ev, rep, in_dtypes)
     if isinstance(outputs, dict):
         return Judgement(replayable=False), outputs
+    if rounded is not None and reference_for(ev.name) is None:
+        rounded.add(ev, rep.golden, resolve_op(ev.name))
     if not outputs:
         return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}
     module_class = inp.module_class_of(ev.scope) if inp.module_class_of is not None else None
@@ -349,13 +356,13 @@ def _is_random(ev: UnitEvent) -> bool:
 
 def _golden_step(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitEvent, inp: EngineInput, fallback: set,
                  randoms: List[List[torch.Tensor]], counter: Dict[str, int],
-                 shared: Dict[int, Dict[str, torch.Tensor]]) -> Optional[Dict[str, torch.Tensor]]:
+                 shared: Dict[int, Any], replayed: ReplayedOps) -> Optional[Dict[str, torch.Tensor]]:
     """The golden of a top-level module's forward call from the replay that its backward call
     needs anyway (the backward replay recomputes the forward): the backward's golden is kept in
-    ``shared`` for when the search reaches it. None when that replay fails (then the forward
-    is replayed alone, as before)."""
+    ``shared`` (with ``replayed``, the replay's first-level ops) for when the search reaches it.
+    None when that replay fails (then the forward is replayed alone, as before)."""
     ops: Dict[str, int] = {}
-    mode = GoldenMode(fallback=fallback, counter=ops, random_outputs=randoms)
+    mode = GoldenMode(fallback=fallback, counter=ops, random_outputs=randoms, replayed=replayed)
     try:
         outputs, grads = replay_module_step(template, fwd, bwd, device=inp.ref_device, dtype=inp.ref_dtype,
                                             mode=mode)
@@ -363,14 +370,15 @@ def _golden_step(template: torch.nn.Module, fwd: UnitEvent, bwd: UnitEvent, inp:
         return None
     finally:
         _count(counter, "module_golden", ops.get("ops", 0))
-    shared[bwd.seq] = grads
+    shared[bwd.seq] = (grads, replayed)
     return outputs
 
 
 def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fallback: set,
                   forward_calls: Dict[Tuple[str, str], List[UnitEvent]],
                   held: Sequence[UnitEvent] = (), bwd: Optional[UnitEvent] = None,
-                  shared: Optional[Dict[int, Dict[str, torch.Tensor]]] = None) -> Tuple[Judgement, dict]:
+                  shared: Optional[Dict[int, Any]] = None,
+                  rounded: Optional[RoundedOps] = None) -> Tuple[Judgement, dict]:
     """Judge a module call against emulated rounding (judge.py). A module that holds ops which
     could not be replayed (``held``) stands in for them: it is also judged per element against
     the loosest of their budgets (:func:`~precisiondiff.bisect.judge.judge_standin`), since the
@@ -393,22 +401,27 @@ def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fall
 
     randoms = inp.random_outputs(fwd) if inp.random_outputs is not None else []
 
+    replayed = ReplayedOps(inp.dut_dtype)
+
     def replay(round_to: Optional[torch.dtype], decompose: bool = False) -> Dict[str, torch.Tensor]:
         kind = "module_golden" if round_to is None else ("module_semantic" if decompose else "module_emulated")
         ops: Dict[str, int] = {}
         mode = GoldenMode(fallback=fallback, round_to=round_to, counter=ops, decompose=decompose,
-                          random_outputs=randoms)
+                          random_outputs=randoms, reuse=rounded, replayed=replayed)
         try:
             if ev.direction == "forward":
                 return replay_module_forward(template, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
             return replay_module_backward(template, fwd, ev, device=inp.ref_device, dtype=inp.ref_dtype, mode=mode)
         finally:
             _count(counter, kind, ops.get("ops", 0))
+            counter["reused"] = counter.get("reused", 0) + ops.get("reused", 0)
 
     try:
-        golden = shared.pop(ev.seq, None) if shared is not None else None
+        golden = None
+        if shared is not None and ev.seq in shared:
+            golden, replayed = shared.pop(ev.seq)
         if golden is None and bwd is not None:
-            golden = _golden_step(template, ev, bwd, inp, fallback, randoms, counter, shared)
+            golden = _golden_step(template, ev, bwd, inp, fallback, randoms, counter, shared, replayed)
         if golden is None:
             golden = replay(None)
     except Unreplayable as err:

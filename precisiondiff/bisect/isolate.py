@@ -241,13 +241,23 @@ class GoldenMode(TorchDispatchMode):
             of the replayed calls, in call order: each random op returns the next one (upcast)
             instead of drawing fresh numbers, so the replay sees the DUT's own dropout masks.
         counter: optional dict; ``counter["ops"]`` is incremented per op that is not a view
-            (cost accounting: capture does not record views either).
+            (cost accounting: capture does not record views either); ``counter["reused"]`` per
+            op taken from ``reuse`` instead (not run).
+        reuse: emulation only: a :class:`~precisiondiff.bisect.reuse.RoundedOps`; an op called
+            with exactly the arguments of a recorded call whose DUT output is its golden
+            correctly rounded returns that output (what the emulation computes) without running.
+        replayed: a :class:`~precisiondiff.bisect.reuse.ReplayedOps`: the golden replay records
+            into it its ops whose arguments are exact in the DUT dtype; an emulated replay of the
+            same unit takes the output of the same call from it, rounded, without running.
     """
 
     def __init__(self, *, fallback: Optional[Set[str]] = None, round_to: Optional[torch.dtype] = None,
                  counter: Optional[Dict[str, int]] = None, decompose: bool = False,
-                 random_outputs: Optional[List[List[torch.Tensor]]] = None) -> None:
+                 random_outputs: Optional[List[List[torch.Tensor]]] = None, reuse: Any = None,
+                 replayed: Any = None) -> None:
         super().__init__()
+        self.reuse = reuse if round_to is not None else None
+        self.replayed = replayed
         self.fallback = fallback or set()
         self.round_to = round_to
         self.counter = counter
@@ -257,16 +267,26 @@ class GoldenMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         name = str(func)
-        # counted like capture records ops (views and aliases are not ops of the step), so
-        # that ops replayed / ops per forward is in forwards of the workload
-        if self.counter is not None and not getattr(func, "is_view", False):
-            self.counter["ops"] = self.counter.get("ops", 0) + 1
+        view = getattr(func, "is_view", False)
         if is_random_call(func, args, kwargs):
+            self._count(view)
             return self._recorded(func, args, kwargs)
-        if self.decompose and not func._schema.is_mutable and not getattr(func, "is_view", False):
+        if self.decompose and not func._schema.is_mutable and not view:
             out = self._decomposed(func, args, kwargs)
             if out is not None:
+                self._count(view)
                 return out
+        if self.round_to is not None and not view:
+            # the op replays ran in the golden dtype: not what a fallback op runs in here
+            hit = (self.reuse.lookup(name, args, kwargs)
+                   if self.reuse is not None and name not in self.fallback else None)
+            if hit is None and self.replayed is not None:
+                hit = self.replayed.lookup(name, args, kwargs, self.round_to)
+            if hit is not None:
+                if self.counter is not None:
+                    self.counter["reused"] = self.counter.get("reused", 0) + 1
+                return hit
+        self._count(view)
         ref = reference_for(name)
         if ref is not None:
             out = ref(*args, **kwargs)
@@ -278,7 +298,9 @@ class GoldenMode(TorchDispatchMode):
             except Exception:  # no kernel for the golden dtype: fall back (documented)
                 self.fallback.add(name)
                 out = self._in_fallback(func, args, kwargs)
-        if self.round_to is not None and not getattr(func, "is_view", False):
+        if self.round_to is None and self.replayed is not None and not view:
+            self.replayed.record(name, func, args, kwargs, out)
+        if self.round_to is not None and not view:
             inputs = {id(t) for t in flatten_tensors((args, kwargs))}
 
             def rnd(v: Any) -> Any:
@@ -291,6 +313,12 @@ class GoldenMode(TorchDispatchMode):
                 return v
             out = torch.utils._pytree.tree_map(rnd, out)
         return out
+
+    def _count(self, view: bool) -> None:
+        # counted like capture records ops (views and aliases are not ops of the step), so
+        # that ops replayed / ops per forward is in forwards of the workload
+        if self.counter is not None and not view:
+            self.counter["ops"] = self.counter.get("ops", 0) + 1
 
     def _recorded(self, func: Any, args: Any, kwargs: Any) -> Any:
         """A random op: the DUT's next recorded outputs, written where the op writes."""

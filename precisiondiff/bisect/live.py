@@ -9,10 +9,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import BisectError
+from ..errors import BisectError, PrecisionDiffError, WorkloadError
 from ..capture import MemorySink, capture
 from ..runtime.targets import Target, default_dut
-from ..runtime.workload import Workload, call_model, load_workload, run_workload
+from ..runtime.workload import RunResult, Workload, call_model, load_workload, run_workload
 from . import compiled
 from .assemble import assemble
 from ..store.schema import tensor_key
@@ -21,6 +21,7 @@ from .evidence import input_evidence, param_grads_of
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .result import BisectResult
 from .cost import cost_figures, step_cost
+from .judge import parity_bound
 from .spill import DEFAULT_BUDGET, SpillSink
 from .substitute import ReplaceOpMode, final_errors, replace_module_output
 
@@ -79,7 +80,8 @@ _ALL = object()
 
 
 def run_reference(wl: Workload, ref: Target, dut_events: Optional[List[UnitEvent]] = None,
-                  evidence_for: Any = _ALL) -> "tuple[Any, Callable[[str], Optional[torch.Tensor]], List[str]]":
+                  evidence_for: Any = _ALL, skip_backward: Optional[Callable[[Any, Any], bool]] = None,
+                  ) -> "tuple[Any, Callable[[str], Optional[torch.Tensor]], List[str]]":
     """Run the workload on the reference: the final outputs, a ``key -> tensor`` lookup for the
     evidence on the culprit's inputs, and notes (ops that had no reference-dtype kernel and ran
     in float32).
@@ -89,6 +91,9 @@ def run_reference(wl: Workload, ref: Target, dut_events: Optional[List[UnitEvent
     ``evidence_for``: the culprit's event: only its scope is captured (tensors in memory), so
     the host memory of the reference run is the model's and that unit's, not every activation;
     None: nothing is captured; by default every op and module (level ``all``).
+    ``skip_backward``: called as ``skip_backward(output, loss)`` after the reference forward (and
+    loss); when it returns True the backward is not run (the result then has no gradients): the
+    forward's final error already decides the verdict.
     """
     sink = MemorySink()
     model = ref.prepare_model(wl.model)
@@ -101,12 +106,34 @@ def run_reference(wl: Workload, ref: Target, dut_events: Optional[List[UnitEvent
         recording = capture(model=model, level="all", mode="tensors", sink=sink,
                             scope=f"^{re.escape(evidence_for.scope)}$")
     with GoldenMode(fallback=set(), random_outputs=randoms) as mode, recording:
-        result = run_workload(wl, ref, model=model)
+        if skip_backward is None or wl.loss is None:
+            result = run_workload(wl, ref, model=model)
+        else:
+            result = _forward_first(wl, ref, model, skip_backward)
     records = {tensor_key(e["scope"], e["name"], e["call"], e["direction"], r["slot"]): r
                for e in sink.events for r in e["tensors"] if r["data_key"] is not None}
     notes = ([f"the reference run computed {', '.join(sorted(mode.fallback))} in float32: no "
               f"{str(ref.dtype).removeprefix('torch.')} kernel"] if mode.fallback else [])
     return result, (lambda key: sink.tensor(records[key]) if key in records else None), notes
+
+
+def _forward_first(wl: Workload, ref: Target, model: torch.nn.Module,
+                   skip_backward: Callable[[Any, Any], bool]) -> RunResult:
+    """One step of ``wl`` on ``ref`` whose backward runs only if ``skip_backward(output, loss)``
+    says it is needed (run_workload's step, split after the loss)."""
+    inputs = ref.prepare_inputs(wl.inputs)
+    try:
+        fwd = run_workload(wl, ref, model=model, inputs=inputs, backward=False)
+        with ref.context():
+            loss = wl.loss(fwd.output)
+        if not skip_backward(fwd.output, loss):
+            loss.backward()
+    except PrecisionDiffError:
+        raise
+    except Exception as err:  # the user's loss (or its backward) failed on the reference
+        raise WorkloadError(f"{wl.name}: the loss or backward on {ref} raised {type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''}") from err
+    return RunResult(model, inputs, fwd.output, loss)
 
 
 NoiseKey = Tuple[str, str, str, int]
@@ -366,13 +393,27 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     ref_result = None
     ref_tensor: Callable[[str], Optional[torch.Tensor]] = lambda key: None
     notes: List[str] = []
+    forward_only = [False]
     if culprit_ev is None or confirm or compiled_wl is not None:
+        skip = None
+        if culprit_ev is None and not confirm and compiled_wl is None:
+            def skip(ref_output: Any, ref_loss: Any) -> bool:
+                # accumulated already: the final error is the worst of output, loss and gradients
+                fwd = final_errors(result.output, result.loss, {}, ref_output, ref_loss, {})
+                forward_only[0] = fwd["final"] > parity_bound(dut.dtype)
+                return forward_only[0]
         ref_result, ref_tensor, notes = run_reference(
-            wl, ref_t, events, evidence_for=_ALL if compiled_wl is not None else culprit_ev if confirm else None)
+            wl, ref_t, events, evidence_for=_ALL if compiled_wl is not None else culprit_ev if confirm else None,
+            skip_backward=skip)
     final = None
     if ref_result is not None:
         final = final_errors(result.output, result.loss, _grads(model), ref_result.output,
-                             ref_result.loss, _grads(ref_result.model))
+                             ref_result.loss, _grads(ref_result.model) if not forward_only[0] else {})
+        if forward_only[0]:
+            notes.append("the reference ran forward only: the output's (or the loss's) error already "
+                         "exceeds the parity bound, so the verdict is accumulated whatever the gradients' "
+                         "error; the final error is that of the forward (a lower bound of the step's); "
+                         "confirm=True (--confirm) runs the reference's backward too")
 
     dut_runs = 1
     noise_json = None
@@ -414,12 +455,12 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         confirmation["detail_before"] = final
     wall_s = time.perf_counter() - started
     runs = {"dut_capture": fwd_cost, "timing": 2.0 if time_step else 0.0,
-            "reference": fwd_cost if ref_result is not None else 0.0,
+            "reference": (1.0 if forward_only[0] else fwd_cost) if ref_result is not None else 0.0,
             "substitution": fwd_cost * substituted, "noise": fwd_cost if noise_floor is not None else 0.0}
     cost = {"dut_runs": dut_runs, "ref_runs": 1 if ref_result is not None else 0,
             **cost_figures(runs, out, fwd_cost),
             "units_isolated": out.finding.queries, "units_not_isolated": len(out.skipped),
-            "ops_replayed": out.replayed_ops,
+            "ops_replayed": out.replayed_ops, "ops_reused": out.reused_ops,
             "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3),
             "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
             **({"noise_s": round(noise_s, 3)} if noise else {}),

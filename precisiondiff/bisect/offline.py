@@ -198,7 +198,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     cost = {"dut_runs": 0, "ref_runs": ref_runs,
             **cost_figures({"reference": step * ref_runs}, out, step),
             "units_isolated": out.finding.queries, "units_not_isolated": len(out.skipped),
-            "ops_replayed": out.replayed_ops,
+            "ops_replayed": out.replayed_ops, "ops_reused": out.reused_ops,
             "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3)}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
                       notes=notes, input_check=evidence)

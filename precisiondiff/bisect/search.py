@@ -25,9 +25,9 @@ The rules (docs/bisect.md, "How the culprit is chosen"):
   A module within what rounding explains is not descended into: a module-level fault inside it
   would have shown in its own error (the assumption property tests encode); one around an
   unreplayable op is descended into only towards that op.
-* Once an op offends, modules that run after it (in the order above) and hold no module that
-  runs before it are not isolated: none of them can be the culprit, so further candidates are
-  ops only; the modules around the first offending op are not isolated either (they hold an
+* Once an op or a module offends, modules that run after it (in the order above) and hold no
+  module that runs before it are not isolated: none of them can be the culprit, so further
+  candidates are ops (and modules before it); the modules around the first offending op are not isolated either (they hold an
   offending unit, so they cannot offend): the descent goes into their children as if they were
   over (``judge_after_culprit=True`` isolates them all, as before).
 """
@@ -136,6 +136,7 @@ class Search:
         self._ops = [u.uid for u in sorted(units, key=_order_key) if u.kind == "op"]
         self._op_pos = 0
         self._op_offending: List[int] = []
+        self._mod_offending: List[int] = []  # offending modules, as judged (moot() after them too)
         self._queue: List[int] = list(self.children.get(None, []))
         self._queued = set(self._queue)
         self.judgements: Dict[int, Judgement] = {}
@@ -169,9 +170,22 @@ class Search:
         return not self.moot(uid) and not self._holds_first_offender(uid)
 
     def _first_offender(self) -> Optional[int]:
-        if not self._op_offending:
+        found = self._op_offending + [m for m in self._mod_offending if self._settled(m)]
+        if not found:
             return None
-        return min(self._op_offending, key=lambda u: _order_key(self.units[u]))
+        return min(found, key=lambda u: _order_key(self.units[u]))
+
+    def _settled(self, uid: int) -> bool:
+        """An offending module is an offender only once no module inside it waits in the queue
+        (one of them may offend and cover it; a backward module call can be recorded before its
+        children, so the order alone does not say)."""
+        for q in self._queue:
+            parent = self.units[q].parent
+            while parent is not None:
+                if parent == uid:
+                    return False
+                parent = self.units[parent].parent
+        return True
 
     def _holds_first_offender(self, uid: int) -> bool:
         """A module around the first offending op cannot offend (an offending unit is inside
@@ -192,10 +206,10 @@ class Search:
                 self._queue.append(child)
 
     def moot(self, uid: int) -> bool:
-        """A module that runs after the first offending op and holds no module that runs before
-        it: it cannot be the culprit (that op comes first) and judging it cannot lead to a unit
+        """A module that runs after the first offending unit (op or module) and holds no module
+        that runs before it: it cannot be the culprit (that unit comes first) and judging it cannot lead to a unit
         that could, so it is not isolated (``judge_after_culprit=False``)."""
-        if self.judge_after_culprit or not self._op_offending:
+        if self.judge_after_culprit or self._first_offender() is None:
             return False
         if self._holds_first_offender(uid):
             return False
@@ -223,6 +237,8 @@ class Search:
         # up to its parent; one whose ops were all judged on their own has nothing to hand up
         if not judgement.replayable and self._holds_unreplayable.get(uid, False):
             self._mark_unreplayable(unit)
+        if self._module_offends(uid):
+            self._mod_offending.append(uid)
         if not judgement.replayable or judgement.over:
             self._descend(uid)
         elif uid in self._forced:  # within rounding: only on towards the unreplayable op

@@ -92,6 +92,10 @@ def test_ill_conditioned_control_is_accumulated():
     r = bisect(planted.ill_conditioned_workload, target="cpu/bf16")
     assert r.verdict == "accumulated"
     assert r.growth and r.final_error > r.parity_bound
+    # the forward's error already exceeds the bound: the reference's backward is not run
+    assert r.cost["breakdown"]["reference"] == 1.0 and r.cost["ref_runs"] == 1
+    assert "param_grads" not in r.confirmation["detail_before"]
+    assert any(n.startswith("the reference ran forward only") for n in r.notes)
 
 
 def test_clean_example_is_at_parity_forward_and_backward():

@@ -101,19 +101,33 @@ def test_modules_after_or_around_the_first_bad_op_are_not_isolated_and_the_culpr
     lean, asked = _run(units, bad_ops, far)
     full, asked_all = _run(units, bad_ops, far, judge_after_culprit=True)
     assert lean.culprit == full.culprit and set(asked) <= set(asked_all)
-    if not bad_ops:
+    if lean.culprit is None:
         assert asked == asked_all
         return
     by = {u.uid: u for u in units}
-    first = min((_order(by[b]) for b in bad_ops))
+    first = _order(by[lean.culprit])  # the first offending op or module
     children = {}
     for u in units:
         children.setdefault(u.parent, []).append(u.uid)
-    first_op = min(bad_ops, key=lambda b: _order(by[b]))
-    for uid in asked:  # a module after the first bad op only to reach a module before it
-        assert uid not in _ancestors(units, first_op)  # it holds an offender: it cannot offend
-        if by[uid].kind == "module" and _order(by[uid]) > first:
+    first_op = min(bad_ops, key=lambda b: _order(by[b])) if bad_ops else None
+    for uid in asked:  # a module after the first offender only to reach a module before it
+        if first_op is not None:
+            assert uid not in _ancestors(units, first_op)  # it holds an offender: it cannot offend
+        if by[uid].kind == "module" and _order(by[uid]) > first and uid not in _ancestors(units, lean.culprit):
             assert any(by[c].kind == "module" and _order(by[c]) < first for c in children.get(uid, []))
+
+
+def test_modules_after_an_offending_module_are_not_isolated_once_nothing_inside_it_waits():
+    """A backward module call whose inputs need no gradient is recorded before its children
+    (uid 0 here): it offends (far), but it is an offender only once its children are judged; the
+    first far child is the culprit and the sibling after it is not isolated."""
+    units = [Unit(0, "module", "backward"), Unit(1, "op", "backward", 2), Unit(2, "module", "backward", 0),
+             Unit(3, "op", "backward", 4), Unit(4, "module", "backward", 0),
+             Unit(5, "op", "backward", 6), Unit(6, "module", "backward", 0)]
+    for after in (False, True):
+        result, asked = _run(units, set(), {4, 6}, judge_after_culprit=after)
+        assert result.culprit == 4 and result.path == [0]
+        assert asked == [1, 3, 5, 0, 2, 4] + ([6] if after else [])
 
 
 @settings(max_examples=100, deadline=None)
