@@ -271,7 +271,7 @@ def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
     else:
         verdict = "parity"
     cost: Dict[str, Any] = {k: sum(int(res.cost.get(k) or 0) for res in per_rank.values())
-                            for k in ("dut_runs", "ref_runs", "units_isolated", "ops_replayed")}
+                            for k in ("dut_runs", "ref_runs", "units_isolated", "ops_replayed", "ops_reused")}
     cost["forward_equivalents"] = round(sum(float(res.cost.get("forward_equivalents") or 0)
                                             for res in per_rank.values()), 2)
     cost.update(ranks=len(per_rank), collectives_judged=sum(1 for _, v in verdicts if v.judged),
