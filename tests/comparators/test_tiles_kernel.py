@@ -29,6 +29,7 @@ def _assert_bitwise(fast: dict, slow: dict) -> None:
 def test_the_fast_path_is_there():
     """The test extra installs numba: this suite runs both paths."""
     assert tiles_kernel.AVAILABLE
+    assert tiles_kernel._kernels() is not None  # the kernels' module compiles and imports
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
