@@ -46,11 +46,8 @@ def _elem(ab, x, mb, sh, mask, expm, a_sub, r_sub, r_cap, tiny, floor_bits, th3,
     row values, the ULP distance, the flags and the bit patterns of the maxima's values."""
     sgn = ab >> 63
     mag = ab & mask
-    # actual -> float64: exponent rebias (normal) or mag * 2**(emin - mb) (subnormal, exact)
-    sub = (mag & expm) == 0
-    nb = (mag << sh) + _REBIAS
-    sb = np.float64(np.float64(mag) * a_sub).view(np.int64)
-    a = np.int64(((sb if sub else nb) | (sgn << 63))).view(np.float64)
+    # actual -> float32 bits (bfloat16: the upper half) -> float64, exact
+    a = np.float64(np.int32(ab << (23 - mb)).view(np.float32))
     nonfin = np.int64((mag & expm) == expm)
     akey = (mag ^ sgn) - sgn
     # expected rounded to the format, to nearest even, as an ordered key
