@@ -69,15 +69,16 @@ def _elem(ab, x, mb, sh, mask, expm, a_sub, r_sub, r_cap, tiny, floor_bits, th3,
     ue = ad * np.int64(0x7FE0000000000000 - db).view(np.float64)
     v3 = ad if ax < th3 else rel
     # counts as integer arithmetic on bit patterns (non-negative floats order like their
-    # bits; NaN patterns are above every finite one): each flag is a sign bit
+    # bits; NaN patterns are above every finite one): a flag is a sign bit, ``>> 63`` makes it
+    # 0 or -1, shifted into its 9-bit field of a packed (negated) count
     adb = np.float64(ad).view(np.int64)
     axb = np.float64(ax).view(np.int64)
     relb = np.float64(rel).view(np.int64)
     outb = np.float64(ax * tol_r + tol_a).view(np.int64)
     dsb = np.float64(d).view(np.int64)
-    flags = (((-adb) >> 63) & 1) | ((((dsb & (-adb)) >> 63) & 1) << 10) \
-        | ((((outb - adb) >> 63) & 1) << 20) | ((((lvl1 - relb) >> 63) & 1) << 30) \
-        | ((((lvl5 - relb) >> 63) & 1) << 40) | ((((65535 - dist) >> 63) & 1) << 50)
+    flags = (((-adb) >> 63) + (((dsb & (-adb)) >> 63) << 9) + (((outb - adb) >> 63) << 18)
+             + (((lvl1 - relb) >> 63) << 27) + (((lvl5 - relb) >> 63) << 36)
+             + (((dist - 1) >> 63) << 45) + (((dist - 2) >> 63) << 54))
     bad = (((max_finite - axb) >> 63) & 1) | nonfin
     return (ad, ax, d * d, x * x, a * a, a * x, rel, np.float64(dist), ue, dist, bad << 60, flags,
             adb, relb, np.float64(ue).view(np.int64), np.float64(v3).view(np.int64))
@@ -138,8 +139,11 @@ def _chunk(A, E, R, DI, o, mb, sh, mask, expm, a_sub, r_sub, r_cap, tiny, floor_
         m3 = max(m3, ueb)
         m4 = max(m4, v3b)
     acc[0] += m2 >> 60  # a value the fused path cannot take
-    for f in range(6):
-        acc[1 + f] += (packed >> (10 * f)) & 1023
+    packed = -packed
+    for f in range(5):
+        acc[1 + f] += (packed >> (9 * f)) & 511
+    acc[13] += (packed >> 45) & 511  # distances 0
+    acc[12] += packed >> 54  # distances 0 and 1
     acc[7] = max(acc[7], m0)
     acc[8] = max(acc[8], m1)
     acc[9] = max(acc[9], m2)
@@ -212,12 +216,22 @@ def _lane(C, j, l):  # pragma: no cover - compiled
 
 
 @_jit
+def _count_big(DI, n):  # pragma: no cover - compiled
+    big = 0
+    for k in range(n):
+        big += DI[k] >= 65536
+    return big
+
+
+@_jit
 def _histogram(DI, n, hs, hist, bigs, nbig):  # pragma: no cover - compiled
-    """Distances below 2**16 counted (small ones in 8 interleaved copies of the first bins:
+    """Distances from 2 to 2**16 counted (small ones in 8 interleaved copies of the first bins:
     no chain of stores to one counter), larger ones appended to ``bigs`` from ``nbig`` (the
-    caller checked there is room); returns the new count."""
+    caller checked there is room; it counts 0 and 1); returns the new count."""
     for k in range(n):
         u = DI[k]
+        if u < 2:
+            continue
         if u < _SMALL:
             hs[(k & 7) * _SMALL + u] += 1
         elif u < 65536:
@@ -255,7 +269,7 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     C = np.empty((9, 128), dtype=np.float64)
     DI = np.empty(-(-tile // _BLOCK) * _BLOCK, dtype=np.int64)
     hs = np.zeros(8 * _SMALL, dtype=np.int64)
-    acc = np.zeros(12, dtype=np.int64)
+    acc = np.zeros(14, dtype=np.int64)
     mx = np.zeros(5, dtype=np.int64)
     nf = 0
     nbig = 0
@@ -265,13 +279,17 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
         nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, a_sub, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1b, lvl5b, mfb, acc, block_sums,
                    i // _BLOCK)
+        if acc[0] == 0 and acc[9] >= 65536:  # distances >= 2**16: how many?
+            acc[6] = _count_big(DI, nb * _BLOCK)
         if acc[0] != 0 or nbig + acc[6] > bigs.shape[0]:
             # nothing committed but block sums: the caller recomputes the tile
             failed[nf] = t
             nf += 1
             continue
-        nbig = _histogram(DI, nb * _BLOCK, hs, hist, bigs, nbig)
-        hs[0] -= nb * _BLOCK - c  # the padding's zeros
+        if acc[12] < nb * _BLOCK:  # some distances above 1 (else no scan)
+            nbig = _histogram(DI, nb * _BLOCK, hs, hist, bigs, nbig)
+        hs[0] += acc[13] - (nb * _BLOCK - c)  # the padding's zeros are not distances
+        hs[1] += acc[12] - acc[13]
         counts[0] += c
         counts[1] += c
         counts[4] += acc[3]
