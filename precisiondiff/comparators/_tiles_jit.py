@@ -40,7 +40,7 @@ _REV5 = np.array([int(f"{t:05b}"[::-1], 2) for t in range(32)], dtype=np.int64)
 
 
 @_inline
-def _elem(ab, x, mb, sh, mask, expm, a_sub, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
+def _elem(ab, x, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
           lvl1, lvl5, max_finite):  # pragma: no cover - compiled
     """One element: actual bits ``ab`` (sign-extended int), expected ``x``. Returns the nine
     row values, the ULP distance, the flags and the bit patterns of the maxima's values."""
@@ -112,7 +112,7 @@ def _stage_part(a_src, e_src, g0, m, c, rev, A, E):  # pragma: no cover - compil
 
 
 @_jit
-def _chunk(A, E, R, DI, o, mb, sh, mask, expm, a_sub, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
            tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
     """The element pass of one staged chunk: ``R[256 j + p]`` row ``j``'s value at ``p``,
     ``DI[o + p]`` the ULP distance; counts and maxima into ``acc``."""
@@ -120,7 +120,7 @@ def _chunk(A, E, R, DI, o, mb, sh, mask, expm, a_sub, r_sub, r_cap, tiny, floor_
     m0 = m1 = m2 = m3 = m4 = 0
     for p in range(_CHUNK):
         (ad, ax, d2, x2, a2, ax_, rel, fd, ue, dist, bad, flags, adb, relb, ueb, v3b) = _elem(
-            A[p], E[p], mb, sh, mask, expm, a_sub, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+            A[p], E[p], mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
             tol_r, lvl1, lvl5, max_finite)
         R[p] = ad
         R[_CHUNK + p] = ax
@@ -170,7 +170,7 @@ def _halve(R):  # pragma: no cover - compiled
 
 
 @_jit
-def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, a_sub, r_sub, r_cap,
+def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
           tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc, block_sums,
           first_block):  # pragma: no cover - compiled
     """Tile ``[i, i + c)`` in 4096-element blocks (the last one zero-padded): block sums into
@@ -187,7 +187,7 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, a_sub, r_
                 _stage_full(a_src, e_src, g0 + 32 * ch, rev, A, E)
             else:
                 _stage_part(a_src, e_src, g0, m, ch, rev, A, E)
-            _chunk(A, E, R, DI, b * _BLOCK + ch * _CHUNK, mb, sh, mask, expm, a_sub, r_sub, r_cap,
+            _chunk(A, E, R, DI, b * _BLOCK + ch * _CHUNK, mb, sh, mask, expm, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
             _halve(R)
             for j in range(9):
@@ -253,7 +253,6 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     mask = 0x7FFF if kind == BF16 else 0x7FFFFFFF
     expm = 0x7F80 if kind == BF16 else 0x7F800000
     sh = 52 - mb
-    a_sub = sp_floor  # 2**(emin - mb): the subnormal spacing of the format
     r_sub = 1.0 / sp_floor
     r_cap = 2.0 ** -126
     floor_bits = np.float64(sp_floor).view(np.int64)
@@ -276,7 +275,7 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     for t in range(t0, t1):
         i = t * tile
         c = min(tile, n - i)
-        nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, a_sub, r_sub, r_cap,
+        nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1b, lvl5b, mfb, acc, block_sums,
                    i // _BLOCK)
         if acc[0] == 0 and acc[9] >= 65536:  # distances >= 2**16: how many?

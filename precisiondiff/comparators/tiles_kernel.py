@@ -4,13 +4,14 @@
 It computes exactly what :func:`precisiondiff.comparators.tiles.finite_tile` computes with
 PyTorch, bit for bit: the same IEEE float64 operations per element (no fast-math, no fused
 multiply-add), the same fixed pairwise tree over each 4096-element block, the same
-correctly rounded ``expected`` (float64 -> float32 rounded to odd, then to bfloat16 to
-nearest even: one rounding), integer ULP distances and the same counts and maxima. A tile it
-cannot take (a NaN or infinity, ``|expected|`` above the format's largest value, a float32
-ULP distance of 2**16 or more) is left untouched and reported, for the PyTorch path.
+correctly rounded ``expected`` (one rounding to nearest even, done on the float64 bits),
+integer ULP distances and the same counts and maxima. A tile it cannot take (a NaN or
+infinity, ``|expected|`` above the format's largest value, more ULP distances of 2**16 or
+more than it keeps) is left untouched and reported, for the PyTorch path. How the pass is
+laid out for SIMD: :mod:`precisiondiff.comparators._tiles_jit`.
 
-The kernel releases the GIL: :func:`compare_range` runs on several threads over disjoint
-ranges of tiles.
+The kernel releases the GIL: :func:`run` splits the tiles into disjoint ranges, one per
+thread (``torch.get_num_threads()``), on a pool kept between calls.
 """
 from __future__ import annotations
 
