@@ -116,7 +116,7 @@ def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, t
            tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
     """The element pass of one staged chunk: ``R[256 j + p]`` row ``j``'s value at ``p``,
     ``DI[o + p]`` the ULP distance; counts and maxima into ``acc``."""
-    packed = 0
+    packed = dsum = 0
     m0 = m1 = m2 = m3 = m4 = 0
     for p in range(_CHUNK):
         (ad, ax, d2, x2, a2, ax_, rel, fd, ue, dist, bad, flags, adb, relb, ueb, v3b) = _elem(
@@ -129,10 +129,10 @@ def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, t
         R[4 * _CHUNK + p] = a2
         R[5 * _CHUNK + p] = ax_
         R[6 * _CHUNK + p] = rel
-        R[7 * _CHUNK + p] = fd
         R[8 * _CHUNK + p] = ue
         DI[o + p] = dist
         packed += flags
+        dsum += dist
         m0 = max(m0, adb)
         m1 = max(m1, relb)
         m2 = max(m2, dist | bad)
@@ -140,6 +140,7 @@ def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, t
         m4 = max(m4, v3b)
     acc[0] += m2 >> 60  # a value the fused path cannot take
     packed = -packed
+    acc[14] += dsum  # the ULP row: integers, so every float64 tree of them is exact
     for f in range(5):
         acc[1 + f] += (packed >> (9 * f)) & 511
     acc[13] += (packed >> 45) & 511  # distances 0
@@ -156,6 +157,8 @@ def _halve(R):  # pragma: no cover - compiled
     """Tree levels 1-5 of every row: pairs 128, 64, 32, 16 and 8 apart (constant distances:
     LLVM sees no dependence and vectorises)."""
     for j in range(9):
+        if j == 7:  # the ULP row: summed as integers
+            continue
         o = j * _CHUNK
         for q in range(128):
             R[o + q] = R[o + q] + R[o + q + 128]
@@ -182,6 +185,7 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
     for b in range(nb):
         g0 = i + b * _BLOCK
         m = min(_BLOCK, c - b * _BLOCK)
+        acc[14] = 0
         for ch in range(_BLOCK // _CHUNK):
             if m == _BLOCK:
                 _stage_full(a_src, e_src, g0 + 32 * ch, rev, A, E)
@@ -203,6 +207,8 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
             w6 = _lane(C, j, 6)
             w7 = _lane(C, j, 7)
             block_sums[j, first_block + b] = ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7))
+        # integers below 2**33, 4096 of them: each partial sum of the tree is exact
+        block_sums[7, first_block + b] = np.float64(acc[14])
     return nb
 
 
@@ -268,7 +274,7 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     C = np.empty((9, 128), dtype=np.float64)
     DI = np.empty(-(-tile // _BLOCK) * _BLOCK, dtype=np.int64)
     hs = np.zeros(8 * _SMALL, dtype=np.int64)
-    acc = np.zeros(14, dtype=np.int64)
+    acc = np.zeros(15, dtype=np.int64)
     mx = np.zeros(5, dtype=np.int64)
     nf = 0
     nbig = 0
