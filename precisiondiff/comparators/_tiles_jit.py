@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 BF16, F32 = 0, 1
 _BLOCK = 4096
@@ -35,6 +37,22 @@ _SMALL = 64  # ULP distances below this are counted in 8 interleaved histograms 
 # exact IEEE semantics: no fastmath (it would reassociate the tree and contract a*b+c)
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _inline = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+
+
+
+@intrinsic
+def _wide(typingctx):  # pragma: no cover - compiled
+    """Mark the calling function ``"prefer-vector-width"="512"`` (x86 tunes for 256-bit vectors
+    by default; a no-op where 512-bit vectors do not exist). llvmlite only admits a fixed list
+    of attribute names, hence ``set.add`` (as in ``capture/_stats_jit.py``)."""
+    def codegen(context, builder, sig, args):
+        try:
+            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        except Exception:  # noqa: BLE001 - another llvmlite: LLVM's default vector width
+            pass
+        return context.get_dummy_value()
+    return types.none(), codegen
+
 
 _REV5 = np.array([int(f"{t:05b}"[::-1], 2) for t in range(32)], dtype=np.int64)
 
@@ -116,6 +134,7 @@ def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, t
            tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
     """The element pass of one staged chunk: ``R[256 j + p]`` row ``j``'s value at ``p``,
     ``DI[o + p]`` the ULP distance; counts and maxima into ``acc``."""
+    _wide()
     packed = dsum = 0
     m0 = m1 = m2 = m3 = m4 = 0
     for p in range(_CHUNK):
@@ -156,6 +175,7 @@ def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, t
 def _halve(R):  # pragma: no cover - compiled
     """Tree levels 1-5 of every row: pairs 128, 64, 32, 16 and 8 apart (constant distances:
     LLVM sees no dependence and vectorises)."""
+    _wide()
     for j in range(9):
         if j == 7:  # the ULP row: summed as integers
             continue
