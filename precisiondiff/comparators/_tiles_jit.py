@@ -7,8 +7,11 @@ addition of two contiguous halves, with no shuffles: element ``k = 512 l + 32 c 
 ``l < 8``, chunk ``c < 16``, ``t < 32``) goes to position ``rev5(t) * 8 + l`` of chunk ``c``
 (``rev5`` reverses 5 bits), so the tree's pairs ``t, t ^ 1`` are 128 apart, then 64, 32, 16
 and 8 for its next levels. The element pass (one simple loop that LLVM vectorises) writes the
-nine rows; halving passes reduce each row to its eight lane values; the chunk and lane
-levels (7 of the 12) are scalar. The tree, hence every sum, is the one of the PyTorch tile.
+rows; halving passes reduce each row to its eight lane values; the chunk and lane levels
+(7 of the 12) are scalar. The tree, hence every sum, is the one of the PyTorch tile. The
+ULP-distance row is summed as integers: a float64 tree over 4096 integers below 2**33 adds
+exactly, so it equals their integer sum. The vectorised loops ask for 512-bit vectors
+(:func:`_wide`).
 
 Every element value is computed with the same IEEE float64 operations as the PyTorch tile
 (no fast-math, no contraction). Integer bit tricks replace only operations they reproduce
@@ -37,7 +40,6 @@ _SMALL = 64  # ULP distances below this are counted in 8 interleaved histograms 
 # exact IEEE semantics: no fastmath (it would reassociate the tree and contract a*b+c)
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _inline = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-
 
 
 @intrinsic
@@ -100,8 +102,6 @@ def _elem(ab, x, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
     bad = (((max_finite - axb) >> 63) & 1) | nonfin
     return (ad, ax, d * d, x * x, a * a, a * x, rel, np.float64(dist), ue, dist, bad << 60, flags,
             adb, relb, np.float64(ue).view(np.int64), np.float64(v3).view(np.int64))
-
-
 
 
 @_jit
