@@ -8,11 +8,16 @@ default: the reference run's dtype; ``same`` for DTYPE). Throughput = bytes of t
 ``ratio`` = compare / copy throughput (goal >= 0.5), ``x copy`` = its inverse (how many
 copies of the pair one comparison costs). The copy copies the pair's bytes once, with the
 same thread count. ``--fallback`` also times the pure-PyTorch path (numba disabled for the
-call). Everything is timed in the same run.
+call). Everything is timed in the same run, the copy and the compare interleaved repeat by
+repeat; the figures are medians, and ``cpu ns/el`` is the compare's process CPU time per
+element (all threads: what a loaded machine does not inflate). The load average is printed
+before and after: on a shared machine the ratio moves with it.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 import torch
@@ -34,15 +39,17 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _best(fn, repeat: int, dev: torch.device) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        _sync(dev)
-        t = time.perf_counter()
-        fn()
-        _sync(dev)
-        best = min(best, time.perf_counter() - t)
-    return best
+def _timed(fn, dev: torch.device) -> tuple:
+    """(wall seconds, process CPU seconds) of one call."""
+    _sync(dev)
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    _sync(dev)
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main(argv=None) -> None:
@@ -50,15 +57,17 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="64M,1G")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--chunk-elems", type=int, default=None)
     p.add_argument("--expected", default="float64", help="float64 or same")
     p.add_argument("--fallback", action="store_true", help="also time the PyTorch fallback")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {dev}, "
+          f"repeats {args.repeat} (medians), load average {_load()}")
     print(f"{'dtype':>9} {'expected':>9} {'size':>6} {'copy GB/s':>10} {'compare GB/s':>13} {'ratio':>7} "
-          f"{'compare s':>10} {'x copy':>7}" + (f" {'fallback s':>11} {'speed-up':>9}" if args.fallback else ""))
+          f"{'compare s':>10} {'x copy':>7} {'cpu ns/el':>9}"
+          + (f" {'fallback s':>11} {'speed-up':>9}" if args.fallback else ""))
     for name in args.dtypes.split(","):
         dt = getattr(torch, name)
         for s in args.sizes.split(","):
@@ -72,23 +81,33 @@ def main(argv=None) -> None:
             pair = nbytes + n * e.element_size()
             src = torch.empty(pair, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
-            t_copy = _best(lambda: dst.copy_(src), max(args.repeat, 3), dev)
-            del src, dst
             kw = {} if args.chunk_elems is None else {"chunk_elems": args.chunk_elems}
-            t_cmp = _best(lambda: compare_tensors(a, e, **kw), args.repeat, dev)
+            dst.copy_(src)
+            compare_tensors(a[:65536], e[:65536], **kw)  # compile / warm up
+            copies, cmps, cpus, fbs = [], [], [], []
+            for _ in range(args.repeat):  # interleaved: the same machine state for both
+                copies.append(_timed(lambda: dst.copy_(src), dev)[0])
+                wall, cpu = _timed(lambda: compare_tensors(a, e, **kw), dev)
+                cmps.append(wall)
+                cpus.append(cpu)
+                if args.fallback:
+                    from precisiondiff.comparators import tiles_kernel
+                    saved, tiles_kernel.AVAILABLE = tiles_kernel.AVAILABLE, False
+                    try:
+                        fbs.append(_timed(lambda: compare_tensors(a, e, **kw), dev)[0])
+                    finally:
+                        tiles_kernel.AVAILABLE = saved
+            del src, dst
+            t_copy, t_cmp = statistics.median(copies), statistics.median(cmps)
             c, m = pair / t_copy / 1e9, pair / t_cmp / 1e9
             extra = ""
             if args.fallback:
-                from precisiondiff.comparators import tiles_kernel
-                saved, tiles_kernel.AVAILABLE = tiles_kernel.AVAILABLE, False
-                try:
-                    t_fb = _best(lambda: compare_tensors(a, e, **kw), args.repeat, dev)
-                finally:
-                    tiles_kernel.AVAILABLE = saved
+                t_fb = statistics.median(fbs)
                 extra = f" {t_fb:11.2f} {t_fb / t_cmp:9.1f}"
-            print(f"{name:>9} {str(edt)[6:]:>9} {s:>6} {c:10.2f} {m:13.3f} {m / c:7.4f} {t_cmp:10.2f} "
-                  f"{t_cmp / t_copy:7.1f}" + extra, flush=True)
+            print(f"{name:>9} {str(edt)[6:]:>9} {s:>6} {c:10.2f} {m:13.3f} {m / c:7.4f} {t_cmp:10.3f} "
+                  f"{t_cmp / t_copy:7.1f} {statistics.median(cpus) / n * 1e9:9.2f}" + extra, flush=True)
             del a, e
+    print(f"load average after: {_load()}")
 
 
 if __name__ == "__main__":

@@ -1,179 +1,336 @@
 """The numba kernels of :mod:`precisiondiff.comparators.tiles_kernel` (imported on first use:
-importing numba costs about half a second)."""
+importing numba costs about half a second).
+
+Layout. A 4096-element block is staged, 256 elements (a chunk) at a time, into a permuted
+order in which every level of its pairwise tree ``x[2i] + x[2i+1]`` is a vertical (SIMD)
+addition of two contiguous halves, with no shuffles: element ``k = 512 l + 32 c + t`` (lane
+``l < 8``, chunk ``c < 16``, ``t < 32``) goes to position ``rev5(t) * 8 + l`` of chunk ``c``
+(``rev5`` reverses 5 bits), so the tree's pairs ``t, t ^ 1`` are 128 apart, then 64, 32, 16
+and 8 for its next levels. The element pass (one simple loop that LLVM vectorises) writes the
+rows; halving passes reduce each row to its eight lane values; the chunk and lane levels
+(7 of the 12) are scalar. The tree, hence every sum, is the one of the PyTorch tile. The
+ULP-distance row is summed as integers: a float64 tree over 4096 integers below 2**33 adds
+exactly, so it equals their integer sum. The vectorised loops ask for 512-bit vectors
+(:func:`_wide`).
+
+Every element value is computed with the same IEEE float64 operations as the PyTorch tile
+(no fast-math, no contraction). Integer bit tricks replace only operations they reproduce
+exactly: the rounding of ``expected`` to the format (round to nearest even on the bits, a
+scaled ``rint`` below the smallest normal), the conversion of bfloat16/float32 to float64,
+``|d| / spacing`` as ``|d| * (1 / spacing)`` (spacing is a power of two whose reciprocal is a
+normal float64: the same correctly rounded value), and comparisons of non-negative float64
+values as comparisons of their bit patterns (they order alike; NaN patterns lie above every
+finite one), which is how counts and maxima are taken.
+"""
 from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 BF16, F32 = 0, 1
 _BLOCK = 4096
+_CHUNK = 256
 _EXP_MASK = 0x7FF0000000000000
+_ABS = 0x7FFFFFFFFFFFFFFF
+_REBIAS = 896 << 52  # float64 exponent bias - float32 (and bfloat16) exponent bias
+_SMALL = 64  # ULP distances below this are counted in 8 interleaved histograms (no store chains)
 
 # exact IEEE semantics: no fastmath (it would reassociate the tree and contract a*b+c)
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+_inline = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+
+
+@intrinsic
+def _wide(typingctx):  # pragma: no cover - compiled
+    """Mark the calling function ``"prefer-vector-width"="512"`` (x86 tunes for 256-bit vectors
+    by default; a no-op where 512-bit vectors do not exist). llvmlite only admits a fixed list
+    of attribute names, hence ``set.add`` (as in ``capture/_stats_jit.py``)."""
+    def codegen(context, builder, sig, args):
+        try:
+            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        except Exception:  # noqa: BLE001 - another llvmlite: LLVM's default vector width
+            pass
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+_REV5 = np.array([int(f"{t:05b}"[::-1], 2) for t in range(32)], dtype=np.int64)
+
+
+@_inline
+def _elem(ab, x, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
+          lvl1, lvl5, max_finite):  # pragma: no cover - compiled
+    """One element: actual bits ``ab`` (sign-extended int), expected ``x``. Returns the nine
+    row values, the ULP distance, the flags and the bit patterns of the maxima's values."""
+    sgn = ab >> 63
+    mag = ab & mask
+    # actual -> float32 bits (bfloat16: the upper half) -> float64, exact
+    a = np.float64(np.int32(ab << (23 - mb)).view(np.float32))
+    nonfin = np.int64((mag & expm) == expm)
+    akey = (mag ^ sgn) - sgn
+    # expected rounded to the format, to nearest even, as an ordered key
+    eb = np.float64(x).view(np.int64)
+    esg = eb >> 63
+    emag = eb & _ABS
+    mm = emag - _REBIAS
+    rn = (mm + ((np.int64(1) << (sh - 1)) - 1) + ((mm >> sh) & 1)) >> sh
+    xs = min(np.int64(emag).view(np.float64), r_cap) * r_sub
+    rs = np.int64(np.rint(xs))
+    rmag = rs if emag < (np.int64(897) << 52) else rn
+    rkey = (rmag ^ esg) - esg
+    dist = abs(akey - rkey)
+    d = a - x
+    ad = abs(d)
+    ax = abs(x)
+    rel = ad / max(ax, tiny)
+    db = max((eb & _EXP_MASK) - (mb << 52), floor_bits)
+    ue = ad * np.int64(0x7FE0000000000000 - db).view(np.float64)
+    v3 = ad if ax < th3 else rel
+    # counts as integer arithmetic on bit patterns (non-negative floats order like their
+    # bits; NaN patterns are above every finite one): a flag is a sign bit, ``>> 63`` makes it
+    # 0 or -1, shifted into its 9-bit field of a packed (negated) count
+    adb = np.float64(ad).view(np.int64)
+    axb = np.float64(ax).view(np.int64)
+    relb = np.float64(rel).view(np.int64)
+    outb = np.float64(ax * tol_r + tol_a).view(np.int64)
+    dsb = np.float64(d).view(np.int64)
+    flags = (((-adb) >> 63) + (((dsb & (-adb)) >> 63) << 9) + (((outb - adb) >> 63) << 18)
+             + (((lvl1 - relb) >> 63) << 27) + (((lvl5 - relb) >> 63) << 36)
+             + (((dist - 1) >> 63) << 45) + (((dist - 2) >> 63) << 54))
+    bad = (((max_finite - axb) >> 63) & 1) | nonfin
+    return (ad, ax, d * d, x * x, a * a, a * x, rel, np.float64(dist), ue, dist, bad << 60, flags,
+            adb, relb, np.float64(ue).view(np.int64), np.float64(v3).view(np.int64))
 
 
 @_jit
-def _tree(x, tmp, length):  # pragma: no cover - compiled
-    """Pairwise sum of x[:length] (a power of two): x[2i] + x[2i+1], level by level
-    (ping-pong between ``x`` and ``tmp`` so that each level vectorizes)."""
-    src = x
-    dst = tmp
-    h = length // 2
-    while h >= 1:
-        for i in range(h):
-            dst[i] = src[2 * i] + src[2 * i + 1]
-        src, dst = dst, src
-        h //= 2
-    return src[0]
+def _stage_full(a_src, e_src, s0, rev, A, E):  # pragma: no cover - compiled
+    """Chunk starting at ``s0`` (element ``t`` of lane ``l`` at ``s0 + 512 l + t``) into its
+    permuted order."""
+    for t in range(32):
+        o = rev[t] * 8
+        for l in range(8):
+            A[o + l] = np.int64(a_src[s0 + 512 * l + t])
+            E[o + l] = e_src[s0 + 512 * l + t]
 
 
 @_jit
-def _keys(kind, a16, lut, a32i, e, g0, m, rf, ri, av, akey, rkey):  # pragma: no cover - compiled
-    """Actual as float64 and both ordered ULP keys (``-magnitude`` for a set sign bit)."""
-    for k in range(m):
-        rf[k] = np.float32(e[g0 + k])  # round to nearest even (float32 target)
-    if kind == BF16:
-        for k in range(m):
-            ab = np.int64(a16[g0 + k])
-            av[k] = np.float64(lut[ab & 0xFFFF])
-            sgn = ab >> 63
-            akey[k] = ((ab & 0x7FFF) ^ sgn) - sgn
-            x = e[g0 + k]
-            u = np.int64(ri[k]) & 0xFFFFFFFF
-            r32 = np.float64(rf[k])
-            inexact = np.int64(r32 != x)
-            away = np.int64(abs(r32) > abs(x))
-            u = (u - (inexact & away)) | inexact  # float32 rounded to odd
-            rb = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # then to bfloat16, nearest even
-            rs = -((rb >> 15) & 1)
-            rkey[k] = ((rb & 0x7FFF) ^ rs) - rs
-    else:
-        for k in range(m):
-            ab = np.int64(a32i[g0 + k])
-            sgn = ab >> 63
-            akey[k] = ((ab & 0x7FFFFFFF) ^ sgn) - sgn
-            rb = np.int64(ri[k])
-            rs = rb >> 63
-            rkey[k] = ((rb & 0x7FFFFFFF) ^ rs) - rs
+def _stage_part(a_src, e_src, g0, m, c, rev, A, E):  # pragma: no cover - compiled
+    """Chunk ``c`` of a partial block at ``g0`` (``m`` valid elements); zeros past ``m``."""
+    for l in range(8):
+        k0 = 512 * l + 32 * c
+        valid = min(32, max(0, m - k0))
+        for t in range(valid):
+            A[rev[t] * 8 + l] = np.int64(a_src[g0 + k0 + t])
+            E[rev[t] * 8 + l] = e_src[g0 + k0 + t]
+        for t in range(valid, 32):
+            A[rev[t] * 8 + l] = 0
+            E[rev[t] * 8 + l] = 0.0
 
 
 @_jit
-def _tile(kind, a16, lut, a32, a32i, e, i, c, lc, blk, first_block, tiny, sp_scale, sp_floor,
-          th3, has_tol, tol_a, tol_r, max_finite, lvl1, lvl5, rows, tmp, rf, sp, av, akey,
-          rkey, ulps, bigs, nbig0, block_sums, counts, maxes, hist):  # pragma: no cover - compiled
-    """One tile ``[i, i + c)``, zero-padded to ``lc``. Returns the new count of values in
-    ``bigs`` (ULP distances >= 2**16), or -1 when the tile needs the general path: then
-    nothing is committed but block sums, which the caller recomputes."""
-    e_bits = e.view(np.int64)
-    spi = sp.view(np.int64)
-    ri = rf.view(np.int32)
-    rows_i = rows.view(np.int64)
-    mx = np.zeros(5, dtype=np.int64)  # bit patterns of non-negative float64: same order
-    n_out = n_r1 = n_r5 = n_diff = n_below = n_big = 0
-    bad = 0
-    for b in range(lc // blk):
-        s = b * blk
-        g0 = i + s
-        m = min(blk, c - s)
-        _keys(kind, a16, lut, a32i, e, g0, m, rf, ri, av, akey, rkey)
-        if kind == F32:
-            for k in range(m):
-                av[k] = np.float64(a32[g0 + k])
-        for k in range(m):
-            spi[k] = e_bits[g0 + k] & _EXP_MASK
-        for k in range(m):
-            a = av[k]
-            x = e[g0 + k]
-            d = a - x
-            ad = abs(d)
-            ax = abs(x)
-            dist = abs(akey[k] - rkey[k])
-            rel = ad / max(ax, tiny)
-            ue = ad / max(sp[k] * sp_scale, sp_floor)
-            rows[0, k] = ad
-            rows[1, k] = ax
-            rows[2, k] = d * d
-            rows[3, k] = x * x
-            rows[4, k] = a * a
-            rows[5, k] = a * x
-            rows[6, k] = rel
-            rows[7, k] = np.float64(dist)
-            rows[8, k] = ad if ax < th3 else rel  # diff3's value, for its maximum
-            sp[k] = ue
-            ulps[s + k] = dist
-            bad += np.int64(not (ax <= max_finite)) + np.int64(not (abs(a) <= 1.7976931348623157e308))
-            n_big += np.int64(dist >= 65536)
-            n_diff += np.int64(d != 0.0)
-            n_below += np.int64(d < 0.0)
-            n_out += np.int64(has_tol and ad > ax * tol_r + tol_a)
-            n_r1 += np.int64(rel > lvl1)
-            n_r5 += np.int64(rel > lvl5)
-        if bad:
-            return -1
-        for k in range(m):
-            mx[0] = max(mx[0], rows_i[0, k])
-            mx[1] = max(mx[1], rows_i[6, k])
-            mx[2] = max(mx[2], rows_i[7, k])
-            mx[3] = max(mx[3], spi[k])
-            mx[4] = max(mx[4], rows_i[8, k])
-        for k in range(m):
-            rows[8, k] = sp[k]  # the ulp_err row
+def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+           tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
+    """The element pass of one staged chunk: ``R[256 j + p]`` row ``j``'s value at ``p``,
+    ``DI[o + p]`` the ULP distance; counts and maxima into ``acc``."""
+    _wide()
+    packed = dsum = 0
+    m0 = m1 = m2 = m3 = m4 = 0
+    for p in range(_CHUNK):
+        (ad, ax, d2, x2, a2, ax_, rel, fd, ue, dist, bad, flags, adb, relb, ueb, v3b) = _elem(
+            A[p], E[p], mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+            tol_r, lvl1, lvl5, max_finite)
+        R[p] = ad
+        R[_CHUNK + p] = ax
+        R[2 * _CHUNK + p] = d2
+        R[3 * _CHUNK + p] = x2
+        R[4 * _CHUNK + p] = a2
+        R[5 * _CHUNK + p] = ax_
+        R[6 * _CHUNK + p] = rel
+        R[8 * _CHUNK + p] = ue
+        DI[o + p] = dist
+        packed += flags
+        dsum += dist
+        m0 = max(m0, adb)
+        m1 = max(m1, relb)
+        m2 = max(m2, dist | bad)
+        m3 = max(m3, ueb)
+        m4 = max(m4, v3b)
+    acc[0] += m2 >> 60  # a value the fused path cannot take
+    packed = -packed
+    acc[14] += dsum  # the ULP row: integers, so every float64 tree of them is exact
+    for f in range(5):
+        acc[1 + f] += (packed >> (9 * f)) & 511
+    acc[13] += (packed >> 45) & 511  # distances 0
+    acc[12] += packed >> 54  # distances 0 and 1
+    acc[7] = max(acc[7], m0)
+    acc[8] = max(acc[8], m1)
+    acc[9] = max(acc[9], m2)
+    acc[10] = max(acc[10], m3)
+    acc[11] = max(acc[11], m4)
+
+
+@_jit
+def _halve(R):  # pragma: no cover - compiled
+    """Tree levels 1-5 of every row: pairs 128, 64, 32, 16 and 8 apart (constant distances:
+    LLVM sees no dependence and vectorises)."""
+    _wide()
+    for j in range(9):
+        if j == 7:  # the ULP row: summed as integers
+            continue
+        o = j * _CHUNK
+        for q in range(128):
+            R[o + q] = R[o + q] + R[o + q + 128]
+        for q in range(64):
+            R[o + q] = R[o + q] + R[o + q + 64]
+        for q in range(32):
+            R[o + q] = R[o + q] + R[o + q + 32]
+        for q in range(16):
+            R[o + q] = R[o + q] + R[o + q + 16]
+        for q in range(8):
+            R[o + q] = R[o + q] + R[o + q + 8]
+
+
+@_jit
+def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
+          tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc, block_sums,
+          first_block):  # pragma: no cover - compiled
+    """Tile ``[i, i + c)`` in 4096-element blocks (the last one zero-padded): block sums into
+    ``block_sums``, counts and maxima into ``acc`` (zeroed here), distances into ``DI``.
+    Returns the number of blocks."""
+    for k in range(acc.shape[0]):
+        acc[k] = 0
+    nb = -(-c // _BLOCK)
+    for b in range(nb):
+        g0 = i + b * _BLOCK
+        m = min(_BLOCK, c - b * _BLOCK)
+        acc[14] = 0
+        for ch in range(_BLOCK // _CHUNK):
+            if m == _BLOCK:
+                _stage_full(a_src, e_src, g0 + 32 * ch, rev, A, E)
+            else:
+                _stage_part(a_src, e_src, g0, m, ch, rev, A, E)
+            _chunk(A, E, R, DI, b * _BLOCK + ch * _CHUNK, mb, sh, mask, expm, r_sub, r_cap,
+                   tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+            _halve(R)
+            for j in range(9):
+                for l in range(8):
+                    C[j, ch * 8 + l] = R[j * _CHUNK + l]
         for j in range(9):
-            for k in range(m, blk):
-                rows[j, k] = 0.0
-            block_sums[j, first_block + b] = _tree(rows[j], tmp, blk)
-    nbig = nbig0
-    if n_big:
-        if nbig + n_big > bigs.shape[0]:
-            return -1
-        for k in range(c):
-            if ulps[k] >= 65536:
-                bigs[nbig] = ulps[k]
-                nbig += 1
-    for k in range(c):
-        if ulps[k] < 65536:
-            hist[ulps[k]] += 1
-    wide = mx.view(np.float64)
-    for j in range(5):
-        maxes[j] = max(maxes[j], wide[j])
-    counts[0] += c
-    counts[1] += c
-    counts[4] += n_out
-    counts[5] += n_r1
-    counts[6] += n_r5
-    counts[7] += n_diff
-    counts[8] += n_below
+            w0 = _lane(C, j, 0)
+            w1 = _lane(C, j, 1)
+            w2 = _lane(C, j, 2)
+            w3 = _lane(C, j, 3)
+            w4 = _lane(C, j, 4)
+            w5 = _lane(C, j, 5)
+            w6 = _lane(C, j, 6)
+            w7 = _lane(C, j, 7)
+            block_sums[j, first_block + b] = ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7))
+        # integers below 2**33, 4096 of them: each partial sum of the tree is exact
+        block_sums[7, first_block + b] = np.float64(acc[14])
+    return nb
+
+
+@_inline
+def _lane(C, j, l):  # pragma: no cover - compiled
+    """Lane ``l``'s 512-element subtree from its 16 chunk sums."""
+    return ((((C[j, l] + C[j, 8 + l]) + (C[j, 16 + l] + C[j, 24 + l]))
+             + ((C[j, 32 + l] + C[j, 40 + l]) + (C[j, 48 + l] + C[j, 56 + l])))
+            + (((C[j, 64 + l] + C[j, 72 + l]) + (C[j, 80 + l] + C[j, 88 + l]))
+               + ((C[j, 96 + l] + C[j, 104 + l]) + (C[j, 112 + l] + C[j, 120 + l]))))
+
+
+@_jit
+def _count_big(DI, n):  # pragma: no cover - compiled
+    big = 0
+    for k in range(n):
+        big += DI[k] >= 65536
+    return big
+
+
+@_jit
+def _histogram(DI, n, hs, hist, bigs, nbig):  # pragma: no cover - compiled
+    """Distances from 2 to 2**16 counted (small ones in 8 interleaved copies of the first bins:
+    no chain of stores to one counter), larger ones appended to ``bigs`` from ``nbig`` (the
+    caller checked there is room; it counts 0 and 1); returns the new count."""
+    for k in range(n):
+        u = DI[k]
+        if u < 2:
+            continue
+        if u < _SMALL:
+            hs[(k & 7) * _SMALL + u] += 1
+        elif u < 65536:
+            hist[u] += 1
+        else:
+            bigs[nbig] = u
+            nbig += 1
     return nbig
 
 
 @_jit
-def _tiles(kind, a16, lut, a32, e, n, tile, t0, t1, length, tiny, sp_scale, sp_floor, th3,
-           has_tol, tol_a, tol_r, max_finite, lvl1, lvl5, block_sums, counts, maxes, hist,
-           bigs, failed, out):  # pragma: no cover - compiled
-    blk = min(length, _BLOCK)
-    rows = np.empty((9, blk), dtype=np.float64)
-    tmp = np.empty(blk, dtype=np.float64)
-    rf = np.empty(blk, dtype=np.float32)
-    sp = np.empty(blk, dtype=np.float64)
-    av = np.empty(blk, dtype=np.float64)
-    akey = np.empty(blk, dtype=np.int64)
-    rkey = np.empty(blk, dtype=np.int64)
-    ulps = np.empty(tile, dtype=np.int64)
-    a32i = a32.view(np.int32)
+def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_tol, tol_a,
+           tol_r, max_finite, lvl1, lvl5, block_sums, counts, maxes, hist, bigs, failed,
+           out):  # pragma: no cover - compiled
+    """Tiles ``t0 .. t1 - 1``: ``a_src`` holds the actual bit patterns (int16 for bfloat16,
+    int32 for float32). Tiles that need the general path are listed in ``failed``;
+    ``out`` = (their count, the count of ``bigs``)."""
+    mb = 7 if kind == BF16 else 23
+    mask = 0x7FFF if kind == BF16 else 0x7FFFFFFF
+    expm = 0x7F80 if kind == BF16 else 0x7F800000
+    sh = 52 - mb
+    r_sub = 1.0 / sp_floor
+    r_cap = 2.0 ** -126
+    floor_bits = np.float64(sp_floor).view(np.int64)
+    if not has_tol:
+        tol_a = np.inf  # nothing is outside
+    rev = _REV5
+    lvl1b = np.float64(lvl1).view(np.int64)
+    lvl5b = np.float64(lvl5).view(np.int64)
+    mfb = np.float64(max_finite).view(np.int64)
+    A = np.empty(_CHUNK, dtype=np.int64)
+    E = np.empty(_CHUNK, dtype=np.float64)
+    R = np.empty(9 * _CHUNK, dtype=np.float64)
+    C = np.empty((9, 128), dtype=np.float64)
+    DI = np.empty(-(-tile // _BLOCK) * _BLOCK, dtype=np.int64)
+    hs = np.zeros(8 * _SMALL, dtype=np.int64)
+    acc = np.zeros(15, dtype=np.int64)
+    mx = np.zeros(5, dtype=np.int64)
     nf = 0
     nbig = 0
     for t in range(t0, t1):
         i = t * tile
         c = min(tile, n - i)
-        lc = length if n < _BLOCK else -(-c // _BLOCK) * _BLOCK
-        got = _tile(kind, a16, lut, a32, a32i, e, i, c, lc, blk, i // _BLOCK, tiny, sp_scale,
-                    sp_floor, th3, has_tol, tol_a, tol_r, max_finite, lvl1, lvl5, rows, tmp,
-                    rf, sp, av, akey, rkey, ulps, bigs, nbig, block_sums, counts, maxes, hist)
-        if got < 0:
+        nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
+                   tiny, floor_bits, th3, tol_a, tol_r, lvl1b, lvl5b, mfb, acc, block_sums,
+                   i // _BLOCK)
+        if acc[0] == 0 and acc[9] >= 65536:  # distances >= 2**16: how many?
+            acc[6] = _count_big(DI, nb * _BLOCK)
+        if acc[0] != 0 or nbig + acc[6] > bigs.shape[0]:
+            # nothing committed but block sums: the caller recomputes the tile
             failed[nf] = t
             nf += 1
-        else:
-            nbig = got
+            continue
+        if acc[12] < nb * _BLOCK:  # some distances above 1 (else no scan)
+            nbig = _histogram(DI, nb * _BLOCK, hs, hist, bigs, nbig)
+        hs[0] += acc[13] - (nb * _BLOCK - c)  # the padding's zeros are not distances
+        hs[1] += acc[12] - acc[13]
+        counts[0] += c
+        counts[1] += c
+        counts[4] += acc[3]
+        counts[5] += acc[4]
+        counts[6] += acc[5]
+        counts[7] += acc[1]
+        counts[8] += acc[2]
+        for j in range(5):
+            mx[j] = max(mx[j], acc[7 + j])
+    for k in range(8 * _SMALL):
+        hist[k % _SMALL] += hs[k]
+    wide = mx.view(np.float64)
+    maxes[0] = max(maxes[0], wide[0])
+    maxes[1] = max(maxes[1], wide[1])
+    maxes[2] = max(maxes[2], np.float64(mx[2]))
+    maxes[3] = max(maxes[3], wide[3])
+    maxes[4] = max(maxes[4], wide[4])
     out[0] = nf
     out[1] = nbig

@@ -312,7 +312,7 @@ def compare_tensors(
     if not identical and tiles_kernel.usable(a_flat, e_flat, dev):
         # the fused kernel takes the tiles it can (bit-identical); the rest come back here
         params = (tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r, fmt.max_finite, lvl1, lvl5)
-        starts = [t * tile for t in tiles_kernel.run(a_flat, e_flat, n, tile, length, params,
+        starts = [t * tile for t in tiles_kernel.run(a_flat, e_flat, n, tile, params,
                                                      block_sums, counts, maxes, hist)]
     for i in starts:
         torch_tile(i)

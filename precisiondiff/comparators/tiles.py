@@ -220,15 +220,18 @@ class P99Histogram:
             return
         self._add_small(dist[small].to(torch.int64))
         big = dist[~small].to(torch.float64)
-        if self.big_bins is None:
-            self.big_bins = torch.zeros(_N_BIG, dtype=torch.int64, device=self.device)
-        self.big_bins += torch.bincount(_ulp_bins(big), minlength=_N_BIG)
         if self.big_vals is not None:
             self.n_kept += big.numel()
             if self.n_kept <= self.cap:
-                self.big_vals.append(big)
-            else:
-                self.big_vals = None
+                self.big_vals.append(big)  # binned only if they outgrow the cap
+                return
+            pending, self.big_vals = self.big_vals + [big], None
+        else:
+            pending = [big]
+        if self.big_bins is None:
+            self.big_bins = torch.zeros(_N_BIG, dtype=torch.int64, device=self.device)
+        for b in pending:
+            self.big_bins += torch.bincount(_ulp_bins(b), minlength=_N_BIG)
 
     def quantile(self, k: int, second_pass) -> float:
         """The k-th smallest distance (1-based); ``second_pass()`` yields every tile's

@@ -4,18 +4,20 @@
 It computes exactly what :func:`precisiondiff.comparators.tiles.finite_tile` computes with
 PyTorch, bit for bit: the same IEEE float64 operations per element (no fast-math, no fused
 multiply-add), the same fixed pairwise tree over each 4096-element block, the same
-correctly rounded ``expected`` (float64 -> float32 rounded to odd, then to bfloat16 to
-nearest even: one rounding), integer ULP distances and the same counts and maxima. A tile it
-cannot take (a NaN or infinity, ``|expected|`` above the format's largest value, a float32
-ULP distance of 2**16 or more) is left untouched and reported, for the PyTorch path.
+correctly rounded ``expected`` (one rounding to nearest even, done on the float64 bits),
+integer ULP distances and the same counts and maxima. A tile it cannot take (a NaN or
+infinity, ``|expected|`` above the format's largest value, more ULP distances of 2**16 or
+more than it keeps) is left untouched and reported, for the PyTorch path. How the pass is
+laid out for SIMD: :mod:`precisiondiff.comparators._tiles_jit`.
 
-The kernel releases the GIL: :func:`compare_range` runs on several threads over disjoint
-ranges of tiles.
+The kernel releases the GIL: :func:`run` splits the tiles into disjoint ranges, one per
+thread (``torch.get_num_threads()``), on a pool kept between calls.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 
 import numpy as np
 
@@ -40,17 +42,17 @@ def _kernels():
     return _jit
 
 
-def compare_range(kind: int, a: np.ndarray, lut: np.ndarray, e: np.ndarray, n: int, tile: int,
-                  t0: int, t1: int, length: int, params: tuple, block_sums: np.ndarray,
-                  counts: np.ndarray, maxes: np.ndarray, hist: np.ndarray) -> tuple:
+def compare_range(kind: int, a: np.ndarray, e: np.ndarray, n: int, tile: int, t0: int, t1: int,
+                  params: tuple, block_sums: np.ndarray, counts: np.ndarray, maxes: np.ndarray,
+                  hist: np.ndarray) -> tuple:
     """Run tiles ``t0 .. t1 - 1``; return (tiles left for the PyTorch path, ULP distances
     >= 2**16 of the tiles done, as an int64 array).
 
     Args:
-        kind: :data:`BF16` (``a`` holds the int16 bit patterns, ``lut`` their float32 values)
-            or :data:`F32` (``a`` float32).
-        a, e: the flat actual and float64 expected arrays (the whole tensors).
-        n, tile, length: element count, tile size, padded length of a short tensor.
+        kind: :data:`BF16` (``a`` holds the int16 bit patterns) or :data:`F32` (``a`` holds
+            the int32 bit patterns).
+        a, e: the flat actual bit patterns and float64 expected arrays (the whole tensors).
+        n, tile: element count and tile size (a multiple of 4096 unless ``n`` is below it).
         params: ``(tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r, max_finite, lvl1,
             lvl5)``.
         block_sums: float64 ``(9, blocks)``, written at the tiles' blocks.
@@ -59,17 +61,13 @@ def compare_range(kind: int, a: np.ndarray, lut: np.ndarray, e: np.ndarray, n: i
     failed = np.empty(max(t1 - t0, 1), dtype=np.int64)
     bigs = np.empty(min(max(t1 - t0, 1) * tile, _MAX_BIG), dtype=np.int64)
     out = np.zeros(2, dtype=np.int64)
-    empty16 = np.empty(0, dtype=np.int16)
-    empty32 = np.empty(0, dtype=np.float32)
-    a16, a32 = (a, empty32) if kind == BF16 else (empty16, a)
-    _kernels()._tiles(kind, a16, lut, a32, e, n, tile, t0, t1, length, *params, block_sums, counts,
-                      maxes, hist, bigs, failed, out)
+    _kernels()._tiles(kind, a, e, n, tile, t0, t1, *params, block_sums, counts, maxes, hist,
+                      bigs, failed, out)
     return failed[: out[0]].tolist(), bigs[: out[1]]
 
 
 _MAX_BIG = 1 << 20  # large ULP distances kept per thread; past it, tiles go to the PyTorch path
 _MIN_PER_THREAD = 1 << 20  # elements: below this one thread (starting threads costs ~0.1 ms)
-_LUT: "np.ndarray | None" = None
 
 
 def usable(actual: "torch.Tensor", expected: "torch.Tensor", device: "torch.device") -> bool:
@@ -82,21 +80,17 @@ def usable(actual: "torch.Tensor", expected: "torch.Tensor", device: "torch.devi
             and not actual.requires_grad and not expected.requires_grad)
 
 
-def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, length: int,
-        params: tuple, block_sums: "torch.Tensor", counts: "torch.Tensor", maxes: "torch.Tensor",
+def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, params: tuple, block_sums: "torch.Tensor", counts: "torch.Tensor", maxes: "torch.Tensor",
         hist: object) -> list:
     """Every tile of the pair on ``torch.get_num_threads()`` threads; accumulates into the
     PyTorch accumulators (``block_sums``, ``counts``, ``maxes`` CPU tensors and the
     :class:`~precisiondiff.comparators.tiles.P99Histogram`); returns the indices of the tiles
     left for the PyTorch path."""
     import torch
-    global _LUT
     if actual.dtype == torch.bfloat16:
-        if _LUT is None:
-            _LUT = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().numpy()
-        kind, a, lut = BF16, actual.view(torch.int16).numpy(), _LUT
+        kind, a = BF16, actual.view(torch.int16).numpy()
     else:
-        kind, a, lut = F32, actual.numpy(), np.empty(0, dtype=np.float32)
+        kind, a = F32, actual.view(torch.int32).numpy()
     e = expected.numpy()
     tiles = -(-n // tile)
     threads = max(1, min(torch.get_num_threads(), n // _MIN_PER_THREAD, tiles))
@@ -107,22 +101,45 @@ def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, len
 
     def work(k: int) -> tuple:
         c, m, h = parts[k]
-        return compare_range(kind, a, lut, e, n, tile, bounds[k], bounds[k + 1], length, params,
-                             sums, c, m, h)
+        return compare_range(kind, a, e, n, tile, bounds[k], bounds[k + 1], params, sums, c, m, h)
 
     if threads == 1:
         results = [work(0)]
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(work, range(threads)))
+    else:  # the calling thread takes the first range
+        futures = [_pool(threads - 1).submit(work, k) for k in range(1, threads)]
+        results = [work(0)] + [f.result() for f in futures]
     failed = []
-    for (c, m, h), (tiles_left, bigs) in zip(parts, results):
+    total = parts[0][2]
+    done = 0
+    for k, ((c, m, h), (tiles_left, bigs)) in enumerate(zip(parts, results)):
         counts += torch.from_numpy(c)
         torch.maximum(maxes, torch.from_numpy(m), out=maxes)
-        if h.any():
-            hist.add_counts(torch.from_numpy(h))
+        if k:
+            total += h
+        done += int(c[0])
         if bigs.size:
             hist.add(torch.from_numpy(bigs))
         failed.extend(tiles_left)
+    if done:  # distances below 2**16 reach at most the largest one: hand over only that much
+        top = min(int(max(m[2] for _, m, _ in parts)) + 1, 1 << 16)
+        hist.add_counts(torch.from_numpy(total[:top]))
     return failed
+
+
+_POOL = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> "ThreadPoolExecutor":
+    """A thread pool kept between calls (starting threads per pair cost ~1 ms each on a loaded
+    machine)."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < workers:
+            from concurrent.futures import ThreadPoolExecutor
+            old, _POOL = _POOL, ThreadPoolExecutor(workers, thread_name_prefix="precisiondiff-tiles")
+            _POOL_SIZE = workers
+            if old is not None:
+                old.shutdown(wait=False)
+        return _POOL

@@ -11,8 +11,14 @@ from hypothesis import strategies as st
 from precisiondiff.comparators import compare_tensors, tiles_kernel
 
 
-def _both(a, e, **kw):
-    fast = compare_tensors(a, e, **kw).to_dict()
+def _both(a, e, fused=False, **kw):
+    """Both paths' metrics; with ``fused``, also check the kernel took every tile."""
+    left, calls = [], []
+    run = tiles_kernel.run
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tiles_kernel, "run", lambda *args: calls.append(1) or left.extend(run(*args)) or left)
+        fast = compare_tensors(a, e, **kw).to_dict()
+    assert not fused or (calls and not left), (calls, left)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(tiles_kernel, "AVAILABLE", False)
         slow = compare_tensors(a, e, **kw).to_dict()
@@ -29,6 +35,7 @@ def _assert_bitwise(fast: dict, slow: dict) -> None:
 def test_the_fast_path_is_there():
     """The test extra installs numba: this suite runs both paths."""
     assert tiles_kernel.AVAILABLE
+    assert tiles_kernel._kernels() is not None  # the kernels' module compiles and imports
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -62,3 +69,38 @@ def test_threads_split_the_tiles_with_the_same_numbers(monkeypatch):
         _assert_bitwise(*_both(a, e))
     finally:
         torch.set_num_threads(threads)
+
+
+def _edge_expected(dtype: torch.dtype) -> torch.Tensor:
+    """Values where the kernel's integer rounding and bit-pattern comparisons could slip:
+    ties (to even and odd), just off a tie, around the smallest normal, subnormals, zeros of
+    both signs, the largest finite value, powers of two."""
+    mb = 7 if dtype == torch.bfloat16 else 23
+    vals = []
+    for base in (1.0, 1.5, 3.0, 2.0 ** -126, 2.0 ** -127, 2.0 ** -133, 2.0 ** -149, 2.0 ** 100):
+        ulp = base * 2.0 ** -mb if base >= 2.0 ** -126 else 2.0 ** (-126 - mb)
+        for k in (0, 1, 2, 3):
+            for frac in (0.5, 0.5 - 2.0 ** -30, 0.5 + 2.0 ** -30, 0.25, 0.75):
+                vals.append(base + (k + frac) * ulp)
+    vals += [0.0, -0.0, 2.0 ** -1074, 2.0 ** -126 * (1 - 2.0 ** -(mb + 2)), 2.0 ** -126 * (1 - 2.0 ** -(mb + 1)),
+             float(torch.finfo(dtype).max), 1e-3, 5e-3]
+    e = torch.tensor(vals, dtype=torch.float64)
+    return torch.cat([e, -e])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shift", [0, 1, -1])
+def test_fused_edge_values(dtype, shift):
+    """Ties, subnormals, signed zeros and exact tolerance/level boundaries: both paths agree
+    bit for bit (actual = expected's correct rounding, moved by ``shift`` ULPs)."""
+    e = _edge_expected(dtype)
+    r = e.to(dtype)
+    bits = r.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+    a = (bits + shift * (bits != 0).to(bits.dtype)).view(dtype)
+    a = torch.where(torch.isfinite(a.double()), a, r)
+    big = torch.cat([e] * 80)[: 5000]  # past one block: the fused path's full-block staging
+    abig = torch.cat([a] * 80)[: 5000]
+    for aa, ee in ((a, e), (abig, big)):
+        _assert_bitwise(*_both(aa, ee, fused=True))
+        _assert_bitwise(*_both(aa, ee, fused=True, atol=1e-3, rtol=0.0))  # |d| == atol cases
+        _assert_bitwise(*_both(aa, ee, fused=True, atol=0.0, rtol=2.0 ** -8))
