@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from .._numba_wide import wide as _wide
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
@@ -32,19 +33,6 @@ _HALF_BITS = np.int32(-0x70002000)  # 0x8FFFE000: a float16's sign, exponent and
 _TWO112 = np.float32(2.0 ** 112)  # 2**(127 - 15)
 
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, error_model="numpy")
-
-
-@intrinsic
-def _wide(typingctx):  # pragma: no cover - compiled
-    """Mark the calling function ``"prefer-vector-width"="512"`` (a no-op where 512-bit vectors
-    do not exist). llvmlite only admits a fixed list of attribute names, hence ``set.add``."""
-    def codegen(context, builder, sig, args):
-        try:
-            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
-        except Exception:  # noqa: BLE001 - another llvmlite: LLVM's default vector width
-            pass
-        return context.get_dummy_value()
-    return types.none(), codegen
 
 
 @intrinsic

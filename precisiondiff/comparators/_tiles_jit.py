@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
-from numba.extending import intrinsic
+from .._numba_wide import wide as _wide
 
 BF16, F32 = 0, 1
 _BLOCK = 4096
@@ -40,20 +39,6 @@ _SMALL = 64  # ULP distances below this are counted in 8 interleaved histograms 
 # exact IEEE semantics: no fastmath (it would reassociate the tree and contract a*b+c)
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _inline = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-
-
-@intrinsic
-def _wide(typingctx):  # pragma: no cover - compiled
-    """Mark the calling function ``"prefer-vector-width"="512"`` (x86 tunes for 256-bit vectors
-    by default; a no-op where 512-bit vectors do not exist). llvmlite only admits a fixed list
-    of attribute names, hence ``set.add`` (as in ``capture/_stats_jit.py``)."""
-    def codegen(context, builder, sig, args):
-        try:
-            set.add(builder.function.attributes, '"prefer-vector-width"="512"')
-        except Exception:  # noqa: BLE001 - another llvmlite: LLVM's default vector width
-            pass
-        return context.get_dummy_value()
-    return types.none(), codegen
 
 
 _REV5 = np.array([int(f"{t:05b}"[::-1], 2) for t in range(32)], dtype=np.int64)

@@ -15,31 +15,27 @@ thread (``torch.get_num_threads()``), on a pool kept between calls.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import threading
 
 import numpy as np
 
+from .. import _numba
+
 __all__ = ["AVAILABLE", "compare_range", "BF16", "F32"]
 
-#: whether the fused kernel can be used (numba installed and not disabled by PRECISIONDIFF_NO_NUMBA)
-AVAILABLE = importlib.util.find_spec("numba") is not None and not os.environ.get("PRECISIONDIFF_NO_NUMBA")
+#: whether the fused kernel can be used (numba installed and not disabled by PRECISIONDIFF_NO_NUMBA;
+#: False after a failed import of the kernels)
+AVAILABLE = _numba.ENABLED
 BF16, F32 = 0, 1
-_jit = None
+_loader = _numba.Kernels(__name__.rpartition(".")[0] + "._tiles_jit")
 
 
 def _kernels():
     """The compiled kernels, imported on first use; None (and AVAILABLE False) when that fails."""
-    global _jit, AVAILABLE
-    if _jit is None and AVAILABLE:
-        try:
-            from . import _tiles_jit
-        except Exception:  # noqa: BLE001 - a broken numba install: the PyTorch path
-            AVAILABLE = False
-            return None
-        _jit = _tiles_jit
-    return _jit
+    global AVAILABLE
+    kernels = _loader() if AVAILABLE else None
+    AVAILABLE = kernels is not None
+    return kernels
 
 
 def compare_range(kind: int, a: np.ndarray, e: np.ndarray, n: int, tile: int, t0: int, t1: int,
