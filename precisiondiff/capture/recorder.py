@@ -49,6 +49,13 @@ class MemorySink:
         self.events.append(event)
         self.data.update(data)
 
+    def write_events(self, items: List[Tuple[dict, Dict[str, torch.Tensor]]]) -> None:
+        """:meth:`write_event` for each ``(event, data)`` in order."""
+        for event, data in items:
+            self.events.append(event)
+            if data:
+                self.data.update(data)
+
     def close(self, complete: bool = True) -> None:
         self.complete = complete
 
@@ -294,7 +301,7 @@ class Recorder:
         self._stats.resolve()
         pending, self._pending = self._pending, []
         get = self._stats.get
-        write = self.sink.write_event
+        batch = []
         rank = self.rank
         for ev in pending:
             tensors, data = [], {}
@@ -314,8 +321,14 @@ class Recorder:
                    "device": ev.device, "tensors": tensors, "args": ev.args}
             if ev.extra:
                 out.update(ev.extra)
-            write(out, data)
-            self.events_written += 1
+            batch.append((out, data))
+        write_events = getattr(self.sink, "write_events", None)
+        if write_events is not None:
+            write_events(batch)  # one hand-off per read-back, not one per event
+        else:
+            for out, data in batch:
+                self.sink.write_event(out, data)
+        self.events_written += len(batch)
         # copies of events still open (a module whose inputs were recorded) stay held
         self._data_bytes = sum(_nbytes(t) for t in self._data.values())
 

@@ -38,6 +38,10 @@ class DumpSink:
     def write_event(self, event: dict, data: Dict[str, torch.Tensor]) -> None:
         self.writer.write_event(event, data)
 
+    def write_events(self, items: list) -> None:
+        """A batch of ``(event, data)``: one hand-off to the writer thread."""
+        self.writer.write_events(items)
+
     def flush(self) -> None:
         """Put every event so far on disk (a shard and its index lines)."""
         self.writer.flush()
