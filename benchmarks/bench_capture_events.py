@@ -39,14 +39,17 @@ class TinyOps(nn.Module):
         return x
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (all threads; steadier on a loaded machine)
+
+
 def _median_pair(plain_fn, captured_fn, repeats: int):
     plain, captured = [], []
     for rep in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         plain_fn()
-        t1 = time.perf_counter()
+        t1 = CLOCK()
         captured_fn(rep)
-        t2 = time.perf_counter()
+        t2 = CLOCK()
         if rep:
             plain.append(t1 - t0)
             captured.append(t2 - t1)
@@ -115,7 +118,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one captured run")
     parser.add_argument("--only", choices=("ops", "blocks"), default=None)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, every thread (steadier when other jobs share the cores)")
     args = parser.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        CLOCK = time.process_time
+    print(f"clock: {args.clock}, load average {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "ops"):
             tiny_ops(args.ops, args.repeats, tmp, args.profile)

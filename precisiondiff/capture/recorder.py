@@ -75,8 +75,12 @@ class PendingEvent:
                  "output_seen", "seq", "args", "extra")
 
     def __init__(self, kind: str, scope: str, name: str, direction: str, call: int, step: int) -> None:
-        self.kind, self.scope, self.name, self.direction, self.call, self.step = \
-            kind, scope, name, direction, call, step
+        self.kind = kind
+        self.scope = scope
+        self.name = name
+        self.direction = direction
+        self.call = call
+        self.step = step
         self.tensors: List[tuple] = []
         self.slots: Dict[int, str] = {}
         self.device: Optional[str] = None
@@ -164,7 +168,8 @@ class Recorder:
         self.step = 0
         self.seq = 0
         self.events_written = 0
-        self._calls: collections.Counter = collections.Counter()
+        self._stores = mode != "stats"
+        self._calls: Dict[tuple, int] = {}
         self._stats = StatsBatch()
         self._pending: List[PendingEvent] = []
         # Host copies not yet handed to the sink. The first emitted event that references a copy
@@ -182,8 +187,9 @@ class Recorder:
     def begin(self, kind: str, scope: str, name: str, direction: str) -> PendingEvent:
         """Start an event: its call number is fixed now."""
         ident = (kind, scope, name, direction)
-        call = self._calls[ident]
-        self._calls[ident] += 1
+        calls = self._calls
+        call = calls.get(ident, 0)
+        calls[ident] = call + 1
         return PendingEvent(kind, scope, name, direction, call, self.step)
 
     def add(self, event: PendingEvent, slot: str, t: torch.Tensor, *, store: bool = True,
@@ -203,23 +209,25 @@ class Recorder:
                 return self._add_unmeasured(event, slot, original, extra)
             if self.gather is not None and extra and "placements" in extra:
                 self.gather.note(self._key(event, slot), event, slot, original, t)
-        stores = store and self.mode != "stats"
+        stores = store and self._stores
         if stores and t.dtype not in SUPPORTED_DTYPES:
             stores, extra = False, {**(extra or {}), "not_stored": "no dump encoding for this dtype"}
-        if t.device.type != "cpu":
-            self._streams.note(t.device)
+        device = t.device
+        if device.type != "cpu":
+            self._streams.note(device)
         ident = _identity(t)
         if ident[5] == -1:  # an inference tensor: no version counter, so never de-duplicated
             fresh = True
-        seen = None if fresh else self._seen.get(ident)
+        seen_map = self._seen
+        seen = None if fresh else seen_map.get(ident)
         if seen is not None:
-            self._seen.move_to_end(ident)
+            seen_map.move_to_end(ident)
             _, data_key, handle = seen
             if data_key is None and stores:
                 data_key = self._key(event, slot)
                 self._data[data_key] = _host_copy(t)
                 self._data_bytes += _nbytes(t)
-                self._seen[ident] = (t, data_key, handle)
+                seen_map[ident] = (t, data_key, handle)
         else:
             data_key = None
             copy = None
@@ -231,8 +239,9 @@ class Recorder:
             # that are not recorded) holds the same elements in the same order: same statistics
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
             # (not for inference tensors: without a version counter an in-place change is invisible)
-            content = (ident[0], ident[1], t.numel(), ident[4], ident[5]) \
-                if not fresh and ident[5] != -1 and t.is_contiguous() else None
+            numel = t.numel()
+            content = (device, ident[1], numel, ident[4], ident[5]) \
+                if not fresh and t.is_contiguous() else None
             same = self._same_content.get(content) if content is not None else None
             if same is not None:
                 handle = same[1]
@@ -243,18 +252,20 @@ class Recorder:
                     # (the same tensor as the _seen entry below: its bytes are counted there)
                     self._same_content[content] = (t, handle)
             if ident[5] != -1:
-                self._seen[ident] = (t, data_key, handle)
-                self._kept_bytes += _nbytes(t)
-                if len(self._seen) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
+                seen_map[ident] = (t, data_key, handle)
+                self._kept_bytes += numel * t.element_size()
+                if len(seen_map) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
                     self._evict()
         event.tensors.append((slot, ident[4], ident[2], data_key, handle, extra))
         slots = event.slots
         if id(original) not in slots:
             slots[id(original)] = slot  # an in-place op returns its input: args name the input
-        if not event.output_seen and slot.startswith("output"):
-            event.device, event.output_seen = _device_name(ident[0]), True
+        if event.output_seen:
+            return
+        if slot[0] == "o" and slot.startswith("output"):
+            event.device, event.output_seen = _device_name(device), True
         elif event.device is None:
-            event.device = _device_name(ident[0])
+            event.device = _device_name(device)
 
     def _key(self, event: PendingEvent, slot: str) -> str:
         # Keys carry the step when the dump holds several: always for an explicit multi-step
@@ -303,10 +314,15 @@ class Recorder:
         get = self._stats.get
         batch = []
         rank = self.rank
+        multi = self.multi_step
         for ev in pending:
             tensors, data = [], {}
+            step = ev.step
+            prefix = (f"step{step}/" if multi is True or (multi is None and step > 0) else "") + \
+                f"{ev.scope}/{ev.name}#{ev.call}:{ev.direction}:"
             for slot, dtype, shape, data_key, handle, extra in ev.tensors:
-                record = {"key": self._key(ev, slot), "slot": slot, "dtype": _dtype_name(dtype),
+                name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
+                record = {"key": prefix + slot, "slot": slot, "dtype": name,
                           "shape": list(shape), "stats": get(handle) if handle is not None else None,
                           "data_key": data_key}
                 if extra:

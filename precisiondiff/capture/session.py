@@ -115,6 +115,8 @@ class CaptureSession(ModuleHooks):
         self._layout: Dict[str, Any] = {}  # the process groups as last seen at a step's end
         self.error: Optional[BaseException] = None
         self.recorder: Optional[Recorder] = None
+        self._wanted_step = -1
+        self._wanted = False
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -124,9 +126,13 @@ class CaptureSession(ModuleHooks):
     @property
     def recording(self) -> bool:
         """Whether events of the current step and rank are being recorded."""
-        return (self.recorder is not None and not self.errors and not self._recomputing
-                and self.filter.want_rank(self.rank)
-                and self.filter.want_step(self.recorder.step))
+        rec = self.recorder
+        if rec is None or self.errors or self._recomputing:
+            return False
+        if rec.step != self._wanted_step:  # asked for every op: the filter once per step
+            self._wanted = self.filter.want_rank(self.rank) and self.filter.want_step(rec.step)
+            self._wanted_step = rec.step
+        return self._wanted
 
     def current_scope(self, backward: bool = False) -> str:
         """The module path the running op belongs to (``backward``: from the autograd node)."""
