@@ -108,18 +108,6 @@ def _device_name(device: torch.device) -> str:
     return name
 
 
-def _identity(t: torch.Tensor) -> tuple:
-    try:
-        version = t._version
-    except RuntimeError:  # inference tensors have no version counter
-        version = -1
-    try:
-        ptr = t.data_ptr()  # storage address + offset: with shape and strides, the same view
-    except RuntimeError:  # tensors without storage
-        ptr = id(t)
-    return (t.device, ptr, t.shape, t.stride(), t.dtype, version)
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -215,9 +203,17 @@ class Recorder:
         device = t.device
         if device.type != "cpu":
             self._streams.note(device)
-        ident = _identity(t)
-        if ident[5] == -1:  # an inference tensor: no version counter, so never de-duplicated
+        # _identity(t), inline: this runs for every tensor of every op
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: no version counter, so never de-duplicated
+            version = -1
             fresh = True
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:
+            ptr = id(t)
+        ident = (device, ptr, t.shape, t.stride(), t.dtype, version)
         seen_map = self._seen
         seen = None if fresh else seen_map.get(ident)
         if seen is not None:
