@@ -159,6 +159,7 @@ class Recorder:
         self._stores = mode != "stats"
         self._calls: Dict[tuple, int] = {}
         self._stats = StatsBatch()
+        self._last: Optional[tuple] = None  # (tensor, version, identity, data_key, handle) last recorded
         self._pending: List[PendingEvent] = []
         # Host copies not yet handed to the sink. The first emitted event that references a copy
         # carries it: a module's inputs are recorded when it starts but it finishes (and is
@@ -189,6 +190,20 @@ class Recorder:
         """
         # The hot path of capture (every tensor of every op): no key strings here (built when
         # the event is emitted, and only in tensors/replay mode when the data is stored now).
+        last = self._last
+        if last is not None and t is last[0] and not fresh:
+            # the tensor recorded last (an op's input is most often the previous op's output),
+            # unchanged since: the same record without looking its identity up again
+            try:
+                version = t._version
+            except RuntimeError:
+                version = -1
+            if version == last[1] and (last[3] is not None or not (store and self._stores)):
+                ident = last[2]
+                if ident[0].type != "cpu":
+                    self._streams.note(ident[0])
+                event.tensors.append((slot, ident[4], ident[2], last[3], last[4], None))
+                return self._note_slot(event, slot, t, ident[0])
         original, extra = t, None
         cls = type(t)
         if (cls is not _Tensor and cls is not _Parameter) or t.is_meta:
@@ -253,6 +268,12 @@ class Recorder:
                 if len(seen_map) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
                     self._evict()
         event.tensors.append((slot, ident[4], ident[2], data_key, handle, extra))
+        if extra is None and version != -1:
+            self._last = (t, version, ident, data_key, handle)
+        self._note_slot(event, slot, original, device)
+
+    @staticmethod
+    def _note_slot(event: PendingEvent, slot: str, original: torch.Tensor, device: torch.device) -> None:
         slots = event.slots
         if id(original) not in slots:
             slots[id(original)] = slot  # an in-place op returns its input: args name the input
@@ -352,6 +373,7 @@ class Recorder:
         if hasattr(self.sink, "flush"):
             self.sink.flush()
         self._stats.clear()
+        self._last = None
         self._seen.clear()
         self._same_content.clear()
         self._kept_bytes = 0
