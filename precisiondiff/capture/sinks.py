@@ -26,10 +26,10 @@ class DumpSink:
     """Writes events and tensors through the store's writer."""
 
     def __init__(self, path: "str | os.PathLike", *, format: str, meta: dict, overwrite: bool = False,
-                 **limits: int) -> None:
+                 durable: bool = False, **limits: int) -> None:
         from ..store import DumpWriter
         self.writer = DumpWriter(path, format=format, meta={**base_meta(), **meta}, overwrite=overwrite,
-                                 **limits)
+                                 durable=durable, **limits)
 
     def update_meta(self, **fields: object) -> None:
         """Fields for meta.json, written when the dump is closed."""

@@ -136,3 +136,22 @@ def test_a_killed_capture_keeps_every_finished_step_without_fsync(tmp_path):
             assert dump.tensor(t.key).shape == (16,)
     report = store.verify(out)
     assert report.ok and report.partial
+
+
+def test_durable_capture_fsyncs_every_step_and_the_default_only_at_close(tmp_path, monkeypatch):
+    import os
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    counts = {}
+    for durable in (False, True):
+        calls.clear()
+        x = torch.randn(8)
+        with capture(tmp_path / f"d{durable}", level="op", mode="tensors", durable=durable) as cap:
+            for _ in range(2):
+                x = torch.sin(x)
+                cap.step()
+            counts[durable] = len(calls)  # before close
+        assert store.load(tmp_path / f"d{durable}").complete
+        assert len(calls) > counts[durable]  # close always syncs
+    assert counts[False] == 0 and counts[True] >= 2
