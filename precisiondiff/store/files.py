@@ -13,11 +13,14 @@ __all__ = ["write_json_atomic", "h5_dataset_name", "prepare_dir", "fsync_dir", "
            "unlink_quietly", "now"]
 
 
-def write_json_atomic(path: Union[str, Path], obj: Mapping[str, Any], *, sync: bool = True) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically: temporary file, fsync, rename.
+def write_json_atomic(path: Union[str, Path], obj: Mapping[str, Any], *, sync: bool = True,
+                      sync_dir: bool = True) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically: temporary file, fsync, rename, fsync the
+    directory.
 
     ``sync=False`` skips the fsyncs: still atomic for readers and after a killed process, not
-    across a power loss.
+    across a power loss. ``sync_dir=False`` skips the last one: after a power loss the file
+    is then the new one or the old one, both whole.
 
     Raises:
         OSError: the file cannot be written.
@@ -35,7 +38,7 @@ def write_json_atomic(path: Union[str, Path], obj: Mapping[str, Any], *, sync: b
     except BaseException:
         unlink_quietly(tmp)
         raise
-    if sync:
+    if sync and sync_dir:
         fsync_dir(path.parent)
 
 

@@ -126,9 +126,9 @@ class DumpWriter:
         self._shards: List[Path] = []  # written, not yet fsynced
         self._defaults = {"step": 0, "rank": self.rank, "call": 0, "device": ""}
 
-        self._thread = threading.Thread(target=self._run, name="precisiondiff-dump-writer",
-                                        daemon=True)
-        self._thread.start()
+        # Started with the first tensor data: events without data (a statistics capture) are
+        # encoded and appended on the caller's thread, with no thread to start, wake and join.
+        self._thread: Optional[threading.Thread] = None
         # a script that never closes its writer still leaves a readable (partial) dump
         self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._atexit)
@@ -196,11 +196,40 @@ class DumpWriter:
                    and self._pending_bytes + nbytes > self._queue_bytes):
                 self._cond.wait()
             self._raise_if_failed()
-            self._pending_bytes += nbytes
             submitted.update(batch_keys)
             seq = self._next_seq
             self._next_seq += len(items)
+            if self._thread is None and nbytes == 0:
+                self._inline(self._add_events, items, seq)
+                return
+            self._pending_bytes += nbytes
+            self._start_thread()
             self._queue.put(("events", items, nbytes, seq))
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="precisiondiff-dump-writer",
+                                            daemon=True)
+            self._thread.start()
+
+    def _inline(self, work: Any, *args: Any) -> None:
+        """Do the writer thread's work on the caller's thread (no thread yet); caller holds _cond."""
+        if self._error is None:
+            try:
+                work(*args)
+            except Exception as err:  # noqa: BLE001 - reported as the writer thread's errors are
+                self._fail(err)
+        self._raise_if_failed()
+
+    def _add_events(self, items: List[tuple], seq: int) -> None:
+        for event, data in items:
+            self._add_event(event, data, seq)
+            seq += 1
+        self._append_ready()
+
+    def _flush_files(self) -> None:
+        self._write_shard()
+        self._append_ready()
 
     def update_meta(self, **fields: Any) -> None:
         """Add fields to ``meta.json``; they are written when the dump is closed."""
@@ -215,6 +244,9 @@ class DumpWriter:
         """
         with self._cond:
             self._check_open()
+            if self._thread is None:
+                self._inline(self._flush_files)
+                return
             done = threading.Event()
             self._queue.put(("flush", done))
         done.wait()
@@ -238,10 +270,20 @@ class DumpWriter:
             if self._closed:
                 return
             self._closed = True
-            done = threading.Event()
-            self._queue.put(("stop", done))
-        done.wait()
-        self._thread.join()
+            thread = self._thread
+            if thread is None:
+                if self._error is None:
+                    try:
+                        self._flush_files()
+                        self._sync()
+                    except Exception as err:  # noqa: BLE001 - raised below, after meta.json
+                        self._fail(err)
+            else:
+                done = threading.Event()
+                self._queue.put(("stop", done))
+        if thread is not None:
+            done.wait()
+            thread.join()
         atexit.unregister(self._atexit)
         for fh in (self._index, self._h5):
             try:
@@ -253,7 +295,9 @@ class DumpWriter:
         meta = dict(self._meta, complete=bool(complete) and not failed, events=self._events,
                     tensors=self._tensors, bytes=self._bytes, closed=now())
         try:
-            write_json_atomic(self.path / META, meta)
+            # the directory is synced only when shards were renamed into it (in _sync) or with
+            # durable=True: after a power loss a stats dump reads as complete or as partial
+            write_json_atomic(self.path / META, meta, sync_dir=self.durable)
             self._meta = meta
         except OSError as err:
             if not failed:
@@ -316,8 +360,7 @@ class DumpWriter:
                                 self._add_event(event, data, seq)
                                 seq += 1
                         else:
-                            self._write_shard()
-                            self._append_ready()
+                            self._flush_files()
                             if kind == "stop":
                                 self._sync()
                 except Exception as err:  # captured; raised on the caller's next call
@@ -437,7 +480,8 @@ class DumpWriter:
         """Make everything written durable before meta.json says the dump is complete."""
         if self.durable:
             return
-        os.fsync(self._index.fileno())
+        if self._index.tell():
+            os.fsync(self._index.fileno())
         if self._h5 is not None:
             self._sync_h5()
         for shard in self._shards:

@@ -157,3 +157,50 @@ def test_the_general_encoder_without_orjson(tmp_path, monkeypatch):
         w.write_events(_events(2))
     assert [e.seq for e in load(tmp_path / "d").events()] == [0, 1]
     assert writer_mod.encode is lines_mod.encode
+
+
+class _FullDisk:
+    """An index file whose second write finds the disk full."""
+
+    def __init__(self, fh):
+        self.fh, self.writes = fh, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 2:
+            import errno
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+def test_disk_full_on_the_index_of_a_statistics_dump(tmp_path):
+    """No writer thread for events without data: the error reaches the caller at once, one line."""
+    from precisiondiff.errors import DumpError
+    w = DumpWriter(tmp_path / "d", meta={})
+    w._index = _FullDisk(w._index)
+    first, second = _events(2, stats_mode=True)
+    w.write_events([first])
+    with pytest.raises(DumpError, match=r"^disk full while writing .*kept 1 events already written") as err:
+        w.write_events([second])
+    assert "\n" not in str(err.value)
+    with pytest.raises(DumpError, match="disk full"):
+        w.close()
+    dump = load(tmp_path / "d")
+    assert dump.complete is False and [e.seq for e in dump.events()] == [0]
+    assert verify(tmp_path / "d").ok
+
+
+def test_a_statistics_dump_starts_no_thread_and_a_tensor_starts_one(tmp_path):
+    w = DumpWriter(tmp_path / "d", meta={})
+    w.write_events(_events(2, stats_mode=True))
+    w.flush()
+    assert w._thread is None and len(list(load(tmp_path / "d").events())) == 2
+    ev, data = op_event(2, [("output.0", torch.ones(3))])
+    w.write_event(ev, data)
+    assert w._thread is not None
+    w.write_events([op_event(3, [("output.0", torch.ones(1))], stats_mode=True)])  # queued behind it
+    w.close()
+    assert [e.seq for e in load(tmp_path / "d").events()] == [0, 1, 2, 3]
