@@ -50,11 +50,11 @@ class MemorySink:
         self.data.update(data)
 
     def write_events(self, items: List[Tuple[dict, Dict[str, torch.Tensor]]]) -> None:
-        """:meth:`write_event` for each ``(event, data)`` in order."""
+        """:meth:`write_event` for each ``(event, data)`` in order (a subclass that overrides
+        ``write_event`` sees every event)."""
+        write = self.write_event
         for event, data in items:
-            self.events.append(event)
-            if data:
-                self.data.update(data)
+            write(event, data)
 
     def close(self, complete: bool = True) -> None:
         self.complete = complete

@@ -155,3 +155,22 @@ def test_durable_capture_fsyncs_every_step_and_the_default_only_at_close(tmp_pat
         assert store.load(tmp_path / f"d{durable}").complete
         assert len(calls) > counts[durable]  # close always syncs
     assert counts[False] == 0 and counts[True] >= 2
+
+
+def test_a_sink_overriding_write_event_still_sees_every_event():
+    """Batches go through write_event for MemorySink subclasses (bisect's spilling sink is one)."""
+    class Seen(MemorySink):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def write_event(self, event, data):
+            self.seen += 1
+            super().write_event(event, data)
+
+    sink = Seen()
+    x = torch.randn(4)
+    with capture(level="op", mode="tensors", sink=sink):
+        for _ in range(5):
+            x = torch.cos(x)
+    assert sink.seen == len(sink.events) == 5 and len(sink.data) == 6
