@@ -40,6 +40,7 @@ class TinyOps(nn.Module):
 
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (all threads; steadier on a loaded machine)
+STAT = statistics.median  # --stat min: the least disturbed repeat (other jobs only ever add time)
 
 
 def _median_pair(plain_fn, captured_fn, repeats: int):
@@ -53,7 +54,7 @@ def _median_pair(plain_fn, captured_fn, repeats: int):
         if rep:
             plain.append(t1 - t0)
             captured.append(t2 - t1)
-    return statistics.median(plain), statistics.median(captured)
+    return STAT(plain), STAT(captured)
 
 
 def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool, memory: bool = False) -> None:
@@ -183,11 +184,14 @@ def main() -> None:
                         help="also time the tiny-ops forward under an empty dispatch mode and with statistics stubbed")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: process CPU time, every thread (steadier when other jobs share the cores)")
+    parser.add_argument("--stat", choices=("median", "min"), default="median")
     args = parser.parse_args()
-    global CLOCK
+    global CLOCK, STAT
     if args.clock == "cpu":
         CLOCK = time.process_time
-    print(f"clock: {args.clock}, load average {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS="
+    if args.stat == "min":
+        STAT = min
+    print(f"clock: {args.clock}, {args.stat} of {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "ops"):
