@@ -142,10 +142,10 @@ def breakdown(ops: int, repeats: int, tmp: str) -> None:
             t0 = CLOCK()
             f()
             times[k].append(CLOCK() - t0)
-    print(f"breakdown ({ops} ops, median of {repeats}, us per op):")
+    print(f"breakdown ({ops} ops, {STAT.__name__} of {repeats}, us per op):")
     prev = None
     for k, v in times.items():
-        us = statistics.median(v) / ops * 1e6
+        us = STAT(v) / ops * 1e6
         step = f" (+{us - prev:.1f})" if prev is not None else ""
         print(f"  {k:<42s} {us:7.2f}{step}")
         prev = us
