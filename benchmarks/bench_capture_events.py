@@ -39,18 +39,22 @@ class TinyOps(nn.Module):
         return x
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (all threads; steadier on a loaded machine)
+STAT = statistics.median  # --stat min: the least disturbed repeat (other jobs only ever add time)
+
+
 def _median_pair(plain_fn, captured_fn, repeats: int):
     plain, captured = [], []
     for rep in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         plain_fn()
-        t1 = time.perf_counter()
+        t1 = CLOCK()
         captured_fn(rep)
-        t2 = time.perf_counter()
+        t2 = CLOCK()
         if rep:
             plain.append(t1 - t0)
             captured.append(t2 - t1)
-    return statistics.median(plain), statistics.median(captured)
+    return STAT(plain), STAT(captured)
 
 
 def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool, memory: bool = False) -> None:
@@ -86,6 +90,67 @@ def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool, memory: bool = Fal
           f"op/stats capture {c * 1e3:.2f} ms, {per:.1f} us per recorded op event (goal <= 10)")
 
 
+def breakdown(ops: int, repeats: int, tmp: str) -> None:
+    """Where a recorded op event's time goes: the same forward under progressively more of capture
+    (statistics stubbed out by a constant: what the rest of the recorder costs without them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from precisiondiff.capture import stats as stats_mod
+
+    model = TinyOps(ops)
+    x = torch.randn(64)
+
+    class Empty(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def run(mode=None, sink="none"):
+        def go():
+            if mode is not None:
+                with mode(), torch.no_grad():
+                    model(x)
+            elif sink == "none":
+                with torch.no_grad():
+                    model(x)
+            else:
+                with cap_mod.capture(os.path.join(tmp, "bd"), model=model, level="op", mode="stats",
+                                     overwrite=True, sink=cap_mod.MemorySink() if sink == "memory" else None):
+                    with torch.no_grad():
+                        model(x)
+        return go
+
+    real = stats_mod.StatsBatch.add, stats_mod.StatsBatch.get
+    const = {"min": 0.0, "max": 0.0, "mean": 0.0, "abs_mean": 0.0, "norm": 0.0, "nan": 0, "inf": 0,
+             "fingerprint": "0" * 32}
+
+    def no_stats():
+        stats_mod.StatsBatch.add = lambda self, t, snapshot=None: 0
+        stats_mod.StatsBatch.get = lambda self, handle: const
+        try:
+            run(sink="memory")()
+        finally:
+            stats_mod.StatsBatch.add, stats_mod.StatsBatch.get = real
+
+    variants = {"plain op": run(), "empty TorchDispatchMode": run(mode=Empty),
+                "capture into memory, statistics stubbed": no_stats,
+                "capture into memory": run(sink="memory"), "capture into a dump": run(sink="dump")}
+    times = {k: [] for k in variants}
+    for f in variants.values():
+        f()
+    for _ in range(repeats):
+        for k, f in variants.items():
+            t0 = CLOCK()
+            f()
+            times[k].append(CLOCK() - t0)
+    print(f"breakdown ({ops} ops, {STAT.__name__} of {repeats}, us per op):")
+    prev = None
+    for k, v in times.items():
+        us = STAT(v) / ops * 1e6
+        step = f" (+{us - prev:.1f})" if prev is not None else ""
+        print(f"  {k:<42s} {us:7.2f}{step}")
+        prev = us
+
+
 def twelve_blocks(repeats: int, tmp: str) -> None:
     from precisiondiff.runtime.targets import Target
     from precisiondiff.runtime.workload import load_workload, run_workload
@@ -115,11 +180,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one captured run")
     parser.add_argument("--only", choices=("ops", "blocks"), default=None)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the tiny-ops forward under an empty dispatch mode and with statistics stubbed")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, every thread (steadier when other jobs share the cores)")
+    parser.add_argument("--stat", choices=("median", "min"), default="median")
     args = parser.parse_args()
+    global CLOCK, STAT
+    if args.clock == "cpu":
+        CLOCK = time.process_time
+    if args.stat == "min":
+        STAT = min
+    print(f"clock: {args.clock}, {args.stat} of {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "ops"):
             tiny_ops(args.ops, args.repeats, tmp, args.profile)
             tiny_ops(args.ops, args.repeats, tmp, False, memory=True)
+            if args.breakdown:
+                breakdown(args.ops, args.repeats, tmp)
         if args.only in (None, "blocks"):
             twelve_blocks(args.repeats, tmp)
 

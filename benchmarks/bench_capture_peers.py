@@ -32,7 +32,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# --baseline: the worker imports precisiondiff from another checkout (before/after in one run)
+sys.path.insert(0, os.environ.get("PD_BENCH_SOURCE", ROOT))
+if os.environ.get("PD_BENCH_SOURCE"):
+    sys.path.insert(1, ROOT)  # tests.zoo for the llama model
+CLOCK = time.process_time if os.environ.get("PD_BENCH_CLOCK") == "cpu" else time.perf_counter
 
 # (tool, level, mode): precisiondiff configurations and their msprobe counterparts
 PD_CONFIGS = [("module", "stats"), ("op", "stats"), ("all", "stats"), ("op", "tensors")]
@@ -92,11 +96,11 @@ def build(name: str):
 def _pairs(step, instrumented, repeats: int):
     plain, inst = [], []
     for rep in range(repeats + 2):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         step()
-        t1 = time.perf_counter()
+        t1 = CLOCK()
         instrumented(rep)
-        t2 = time.perf_counter()
+        t2 = CLOCK()
         if rep >= 2:
             plain.append(t1 - t0)
             inst.append(t2 - t1)
@@ -148,10 +152,13 @@ def worker(model_name: str, tool: str, level: str, mode: str, repeats: int) -> d
             "inst_ms": c * 1e3, "overhead": c / p - 1}
 
 
-def _run_worker(args, model: str, tool: str, level: str, mode: str) -> "dict | None":
+def _run_worker(args, model: str, tool: str, level: str, mode: str, source: "str | None" = None) -> "dict | None":
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model, tool, level, mode,
            "--repeats", str(args.repeats)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PD_BENCH_CLOCK=args.clock,
+               PYTHONPATH=(source or ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if source:
+        env["PD_BENCH_SOURCE"] = source
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -166,6 +173,11 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,tinytf,mlp10m,llama")
     parser.add_argument("--no-msprobe", action="store_true")
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--baseline", metavar="DIR", help="also run precisiondiff from this checkout "
+                        "(e.g. `git worktree add /tmp/before main`): column 'pd before'")
+    parser.add_argument("--configs", default=None, help="level/mode list, e.g. module/stats,op/stats")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, all threads (steadier when other jobs share the cores)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "TOOL", "LEVEL", "MODE"))
     args = parser.parse_args()
     if args.worker:
@@ -173,12 +185,14 @@ def main() -> None:
         return
     import torch
     print(f"torch {torch.__version__}, one thread, CPU float32; overhead = instrumented / plain - 1 "
-          f"(median of {args.repeats} interleaved pairs)")
+          f"(median of {args.repeats} interleaved pairs); clock {args.clock}; load average "
+          f"{os.getloadavg()[0]:.1f}")
     print(f"{'model':<7} {'level/mode':<14} {'plain ms':>9} {'pd':>7} {'pd mem':>7} {'msprobe':>8} "
-          f"{'DebugMode':>10} {'pd/msprobe':>11} {'pd/DebugMode':>13}")
+          f"{'DebugMode':>10} {'pd/msprobe':>11} {'pd/DebugMode':>13}" + (f" {'pd before':>10}" if args.baseline else ""))
+    configs = PD_CONFIGS if not args.configs else [tuple(c.split("/")) for c in args.configs.split(",")]
     for model in args.models.split(","):
         dm = _run_worker(args, model, "debugmode", "op", "stats")
-        for level, mode in PD_CONFIGS:
+        for level, mode in configs:
             if model == "mlp10m" and mode == "tensors":
                 continue  # ~0.5 GB of dump per step: disk-bound, not measured here
             pd = _run_worker(args, model, "precisiondiff", level, mode)
@@ -187,8 +201,10 @@ def main() -> None:
             f = lambda r: f"{r['overhead']:.2f}" if r else "-"  # noqa: E731
             ratio = lambda a, b: f"{a['overhead'] / b['overhead']:.2f}" if a and b and b["overhead"] > 0 else "-"  # noqa: E731
             dmc = dm if level == "op" and mode == "stats" else None
+            before = _run_worker(args, model, "precisiondiff", level, mode, args.baseline) if args.baseline else None
             print(f"{model:<7} {level + '/' + mode:<14} {pd['plain_ms'] if pd else float('nan'):9.2f} "
-                  f"{f(pd):>7} {f(mem):>7} {f(ms):>8} {f(dmc):>10} {ratio(pd, ms):>11} {ratio(pd, dmc):>13}", flush=True)
+                  f"{f(pd):>7} {f(mem):>7} {f(ms):>8} {f(dmc):>10} {ratio(pd, ms):>11} {ratio(pd, dmc):>13}"
+                  + (f" {f(before):>10}" if args.baseline else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,11 @@ def _overwritten(name: str, args: tuple, kwargs: dict) -> set:
 
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+try:  # what torch._disable_dynamo around __torch_dispatch__ does, without its Python wrapper
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+    from torch._dynamo.eval_frame import skip_code as _skip_code
+except ImportError:  # pragma: no cover - a PyTorch without dynamo: TorchDispatchMode's own wrapper
+    _set_eval_frame = _skip_code = None
 _set_grad_enabled = torch._C._set_grad_enabled
 _Tensor = torch.Tensor
 
@@ -73,6 +78,8 @@ class _OpInfo:
 
 
 _SKIPPED = _OpInfo("", False, False)
+_INPUT_SLOTS = tuple(f"input.{i}" for i in range(16))
+_OUTPUT_SLOTS = tuple(f"output.{i}" for i in range(16))
 
 
 def _flat_inputs(args: tuple, kwargs: dict) -> list:
@@ -107,7 +114,28 @@ class OpCaptureMode(TorchDispatchMode):
         self._info[func] = info
         return info
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo (1-4 us of Python
+        # per op). The mode does the same itself: Dynamo neither compiles nor inlines its frame
+        # (skip_code, _torchdynamo_disable below) and the frame turns the eval-frame callback off
+        # while it runs, so a compiled region calling an op never compiles capture's code.
+        return _set_eval_frame is None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        if _set_eval_frame is None:
+            return self._dispatch(func, args, kwargs)
+        prior = _set_eval_frame(None)
+        try:
+            return self._dispatch(func, args, kwargs)
+        finally:
+            _set_eval_frame(prior)
+
+    if _set_eval_frame is not None:
+        __torch_dispatch__._torchdynamo_disable = True  # type: ignore[attr-defined]
+        _skip_code(__torch_dispatch__.__code__)
+
+    def _dispatch(self, func, args, kwargs):
         info = self._info.get(func)
         if info is None:
             info = self._describe(func)
@@ -120,13 +148,18 @@ class OpCaptureMode(TorchDispatchMode):
         if not info.name or session.paused or not session.recording:
             return func(*args, **(kwargs or {}))
         backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
-        scope = session.current_scope(backward)
+        if backward:
+            scope = session.current_scope(True)
+        else:
+            stack = session._stack
+            scope = stack[-1] if stack else ""
         wanted = self._scopes.get(scope)
         if wanted is None:
             wanted = self._scopes[scope] = session.filter.want_scope(scope)
         if not wanted:
             return func(*args, **(kwargs or {}))
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         # A failure of capture itself (statistics, a full disk) never reaches the workload: the op
         # runs exactly once whatever happens here, and the session notes the error and stops.
         grad = torch.is_grad_enabled()
@@ -163,7 +196,7 @@ class OpCaptureMode(TorchDispatchMode):
         slots = event.slots
         for i, t in enumerate(inputs):
             if id(t) not in slots and id(t) not in skip:
-                rec.add(event, f"input.{i}", t)
+                rec.add(event, _INPUT_SLOTS[i] if i < 16 else f"input.{i}", t)
         return event
 
     def _outputs(self, func: Any, info: _OpInfo, event: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -195,7 +228,7 @@ class OpCaptureMode(TorchDispatchMode):
             rec.add(event, "output.0", out, fresh=mutated)
         else:
             for i, t in enumerate(flatten_tensors(out)):
-                rec.add(event, f"output.{i}", t, fresh=mutated)
+                rec.add(event, _OUTPUT_SLOTS[i] if i < 16 else f"output.{i}", t, fresh=mutated)
         encoded = None
         if rec.mode == "replay":
             encoded = {"args": encode_args(list(args), lambda t: rec.slot_of(event, t)),

@@ -49,6 +49,13 @@ class MemorySink:
         self.events.append(event)
         self.data.update(data)
 
+    def write_events(self, items: List[Tuple[dict, Dict[str, torch.Tensor]]]) -> None:
+        """:meth:`write_event` for each ``(event, data)`` in order (a subclass that overrides
+        ``write_event`` sees every event)."""
+        write = self.write_event
+        for event, data in items:
+            write(event, data)
+
     def close(self, complete: bool = True) -> None:
         self.complete = complete
 
@@ -68,8 +75,12 @@ class PendingEvent:
                  "output_seen", "seq", "args", "extra")
 
     def __init__(self, kind: str, scope: str, name: str, direction: str, call: int, step: int) -> None:
-        self.kind, self.scope, self.name, self.direction, self.call, self.step = \
-            kind, scope, name, direction, call, step
+        self.kind = kind
+        self.scope = scope
+        self.name = name
+        self.direction = direction
+        self.call = call
+        self.step = step
         self.tensors: List[tuple] = []
         self.slots: Dict[int, str] = {}
         self.device: Optional[str] = None
@@ -95,18 +106,6 @@ def _device_name(device: torch.device) -> str:
     if name is None:
         name = _DEVICE_NAMES[device] = str(device)
     return name
-
-
-def _identity(t: torch.Tensor) -> tuple:
-    try:
-        version = t._version
-    except RuntimeError:  # inference tensors have no version counter
-        version = -1
-    try:
-        ptr = t.data_ptr()  # storage address + offset: with shape and strides, the same view
-    except RuntimeError:  # tensors without storage
-        ptr = id(t)
-    return (t.device, ptr, t.shape, t.stride(), t.dtype, version)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -157,8 +156,10 @@ class Recorder:
         self.step = 0
         self.seq = 0
         self.events_written = 0
-        self._calls: collections.Counter = collections.Counter()
+        self._stores = mode != "stats"
+        self._calls: Dict[tuple, int] = {}
         self._stats = StatsBatch()
+        self._last: Optional[tuple] = None  # (tensor, version, identity, data_key, handle) last recorded
         self._pending: List[PendingEvent] = []
         # Host copies not yet handed to the sink. The first emitted event that references a copy
         # carries it: a module's inputs are recorded when it starts but it finishes (and is
@@ -175,8 +176,9 @@ class Recorder:
     def begin(self, kind: str, scope: str, name: str, direction: str) -> PendingEvent:
         """Start an event: its call number is fixed now."""
         ident = (kind, scope, name, direction)
-        call = self._calls[ident]
-        self._calls[ident] += 1
+        calls = self._calls
+        call = calls.get(ident, 0)
+        calls[ident] = call + 1
         return PendingEvent(kind, scope, name, direction, call, self.step)
 
     def add(self, event: PendingEvent, slot: str, t: torch.Tensor, *, store: bool = True,
@@ -188,6 +190,20 @@ class Recorder:
         """
         # The hot path of capture (every tensor of every op): no key strings here (built when
         # the event is emitted, and only in tensors/replay mode when the data is stored now).
+        last = self._last
+        if last is not None and t is last[0] and not fresh:
+            # the tensor recorded last (an op's input is most often the previous op's output),
+            # unchanged since: the same record without looking its identity up again
+            try:
+                version = t._version
+            except RuntimeError:
+                version = -1
+            if version == last[1] and (last[3] is not None or not (store and self._stores)):
+                ident = last[2]
+                if ident[0].type != "cpu":
+                    self._streams.note(ident[0])
+                event.tensors.append((slot, ident[4], ident[2], last[3], last[4], None))
+                return self._note_slot(event, slot, t, ident[0])
         original, extra = t, None
         cls = type(t)
         if (cls is not _Tensor and cls is not _Parameter) or t.is_meta:
@@ -196,23 +212,33 @@ class Recorder:
                 return self._add_unmeasured(event, slot, original, extra)
             if self.gather is not None and extra and "placements" in extra:
                 self.gather.note(self._key(event, slot), event, slot, original, t)
-        stores = store and self.mode != "stats"
+        stores = store and self._stores
         if stores and t.dtype not in SUPPORTED_DTYPES:
             stores, extra = False, {**(extra or {}), "not_stored": "no dump encoding for this dtype"}
-        if t.device.type != "cpu":
-            self._streams.note(t.device)
-        ident = _identity(t)
-        if ident[5] == -1:  # an inference tensor: no version counter, so never de-duplicated
+        device = t.device
+        if device.type != "cpu":
+            self._streams.note(device)
+        # _identity(t), inline: this runs for every tensor of every op
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: no version counter, so never de-duplicated
+            version = -1
             fresh = True
-        seen = None if fresh else self._seen.get(ident)
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:
+            ptr = id(t)
+        ident = (device, ptr, t.shape, t.stride(), t.dtype, version)
+        seen_map = self._seen
+        seen = None if fresh else seen_map.get(ident)
         if seen is not None:
-            self._seen.move_to_end(ident)
+            seen_map.move_to_end(ident)
             _, data_key, handle = seen
             if data_key is None and stores:
                 data_key = self._key(event, slot)
                 self._data[data_key] = _host_copy(t)
                 self._data_bytes += _nbytes(t)
-                self._seen[ident] = (t, data_key, handle)
+                seen_map[ident] = (t, data_key, handle)
         else:
             data_key = None
             copy = None
@@ -224,8 +250,9 @@ class Recorder:
             # that are not recorded) holds the same elements in the same order: same statistics
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
             # (not for inference tensors: without a version counter an in-place change is invisible)
-            content = (ident[0], ident[1], t.numel(), ident[4], ident[5]) \
-                if not fresh and ident[5] != -1 and t.is_contiguous() else None
+            numel = t.numel()
+            content = (device, ident[1], numel, ident[4], ident[5]) \
+                if not fresh and t.is_contiguous() else None
             same = self._same_content.get(content) if content is not None else None
             if same is not None:
                 handle = same[1]
@@ -236,18 +263,26 @@ class Recorder:
                     # (the same tensor as the _seen entry below: its bytes are counted there)
                     self._same_content[content] = (t, handle)
             if ident[5] != -1:
-                self._seen[ident] = (t, data_key, handle)
-                self._kept_bytes += _nbytes(t)
-                if len(self._seen) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
+                seen_map[ident] = (t, data_key, handle)
+                self._kept_bytes += numel * t.element_size()
+                if len(seen_map) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
                     self._evict()
         event.tensors.append((slot, ident[4], ident[2], data_key, handle, extra))
+        if extra is None and version != -1:
+            self._last = (t, version, ident, data_key, handle)
+        self._note_slot(event, slot, original, device)
+
+    @staticmethod
+    def _note_slot(event: PendingEvent, slot: str, original: torch.Tensor, device: torch.device) -> None:
         slots = event.slots
         if id(original) not in slots:
             slots[id(original)] = slot  # an in-place op returns its input: args name the input
-        if not event.output_seen and slot.startswith("output"):
-            event.device, event.output_seen = _device_name(ident[0]), True
+        if event.output_seen:
+            return
+        if slot[0] == "o" and slot.startswith("output"):
+            event.device, event.output_seen = _device_name(device), True
         elif event.device is None:
-            event.device = _device_name(ident[0])
+            event.device = _device_name(device)
 
     def _key(self, event: PendingEvent, slot: str) -> str:
         # Keys carry the step when the dump holds several: always for an explicit multi-step
@@ -294,12 +329,17 @@ class Recorder:
         self._stats.resolve()
         pending, self._pending = self._pending, []
         get = self._stats.get
-        write = self.sink.write_event
+        batch = []
         rank = self.rank
+        multi = self.multi_step
         for ev in pending:
             tensors, data = [], {}
+            step = ev.step
+            prefix = (f"step{step}/" if multi is True or (multi is None and step > 0) else "") + \
+                f"{ev.scope}/{ev.name}#{ev.call}:{ev.direction}:"
             for slot, dtype, shape, data_key, handle, extra in ev.tensors:
-                record = {"key": self._key(ev, slot), "slot": slot, "dtype": _dtype_name(dtype),
+                name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
+                record = {"key": prefix + slot, "slot": slot, "dtype": name,
                           "shape": list(shape), "stats": get(handle) if handle is not None else None,
                           "data_key": data_key}
                 if extra:
@@ -314,8 +354,14 @@ class Recorder:
                    "device": ev.device, "tensors": tensors, "args": ev.args}
             if ev.extra:
                 out.update(ev.extra)
-            write(out, data)
-            self.events_written += 1
+            batch.append((out, data))
+        write_events = getattr(self.sink, "write_events", None)
+        if write_events is not None:
+            write_events(batch)  # one hand-off per read-back, not one per event
+        else:
+            for out, data in batch:
+                self.sink.write_event(out, data)
+        self.events_written += len(batch)
         # copies of events still open (a module whose inputs were recorded) stay held
         self._data_bytes = sum(_nbytes(t) for t in self._data.values())
 
@@ -327,6 +373,7 @@ class Recorder:
         if hasattr(self.sink, "flush"):
             self.sink.flush()
         self._stats.clear()
+        self._last = None
         self._seen.clear()
         self._same_content.clear()
         self._kept_bytes = 0

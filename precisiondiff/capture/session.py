@@ -65,6 +65,8 @@ class CaptureSession(ModuleHooks):
         max_host_memory: bytes of tensor copies held on the host (tensors/replay modes): a
             quarter waits for a statistics read-back, half in the writer's queue, a quarter in
             the shard being written.
+        durable: fsync the dump at every step's end, not only when it is closed (a killed
+            process keeps every finished step either way; this also survives a power loss).
 
     Example:
         >>> with CaptureSession("runs/dut", model=model, mode="tensors") as cap:
@@ -76,7 +78,8 @@ class CaptureSession(ModuleHooks):
                  level: str = "all", mode: str = "stats", format: str = "safetensors",
                  filter: Optional[CaptureFilter] = None, meta: Optional[dict] = None,
                  sink: Optional[Sink] = None, overwrite: bool = False,
-                 max_host_memory: int = DEFAULT_MAX_HOST_MEMORY, gather_full: "bool | str" = False) -> None:
+                 max_host_memory: int = DEFAULT_MAX_HOST_MEMORY, gather_full: "bool | str" = False,
+                 durable: bool = False) -> None:
         if level not in LEVELS:
             raise PrecisionDiffError(f"unknown level {level!r}: use one of {', '.join(LEVELS)}")
         if mode not in MODES:
@@ -94,6 +97,7 @@ class CaptureSession(ModuleHooks):
         self.filter = filter or CaptureFilter()
         self.meta = dict(meta or {})
         self.overwrite = overwrite
+        self.durable = bool(durable)
         self._model = weakref.ref(model) if model is not None else None
         self._sink = sink
         self.rank, self.world_size = distributed.rank_and_world()
@@ -115,6 +119,8 @@ class CaptureSession(ModuleHooks):
         self._layout: Dict[str, Any] = {}  # the process groups as last seen at a step's end
         self.error: Optional[BaseException] = None
         self.recorder: Optional[Recorder] = None
+        self._wanted_step = -1
+        self._wanted = False
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -124,9 +130,13 @@ class CaptureSession(ModuleHooks):
     @property
     def recording(self) -> bool:
         """Whether events of the current step and rank are being recorded."""
-        return (self.recorder is not None and not self.errors and not self._recomputing
-                and self.filter.want_rank(self.rank)
-                and self.filter.want_step(self.recorder.step))
+        rec = self.recorder
+        if rec is None or self.errors or self._recomputing:
+            return False
+        if rec.step != self._wanted_step:  # asked for every op: the filter once per step
+            self._wanted = self.filter.want_rank(self.rank) and self.filter.want_step(rec.step)
+            self._wanted_step = rec.step
+        return self._wanted
 
     def current_scope(self, backward: bool = False) -> str:
         """The module path the running op belongs to (``backward``: from the autograd node)."""
@@ -159,7 +169,7 @@ class CaptureSession(ModuleHooks):
                     "max_host_memory": self.max_host_memory, **distributed.layout(), **self.meta}
             self._sink = DumpSink(self.out, format=self.format, meta=meta, overwrite=self.overwrite,
                                   queue_bytes=self.max_host_memory // 2,
-                                  shard_bytes=self.max_host_memory // 4)
+                                  shard_bytes=self.max_host_memory // 4, durable=self.durable)
         self.recorder = Recorder(self._sink, mode=self.mode, multi_step=multi_step, rank=self.rank,
                                  host_bytes=self.max_host_memory // 4)
         if gather_wanted(self.gather_full):
@@ -310,7 +320,7 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
             steps: "str | None" = None, ranks: "str | None" = None, views: bool = False,
             meta: Optional[dict] = None, sink: Optional[Sink] = None,
             overwrite: bool = False, max_host_memory: int = DEFAULT_MAX_HOST_MEMORY,
-            gather_full: "bool | str" = False) -> CaptureSession:
+            gather_full: "bool | str" = False, durable: bool = False) -> CaptureSession:
     """Capture a model's (or, with ``model=None``, a whole program's) numerics into a dump.
 
     Args:
@@ -328,6 +338,8 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
         max_host_memory: bytes of tensor copies capture may hold on the host (default 2 GiB).
         gather_full: also record DTensors' full tensors (``True``, or a regex on record keys),
             gathered at each step's end on every rank (docs/distributed.md); default local shards only.
+        durable: fsync the dump at every step's end (default: written at every step's end,
+            fsynced once at close; only a power loss during the run can lose finished steps).
 
     Returns:
         A :class:`CaptureSession` to use as a context manager; call ``.step()`` between steps.
@@ -340,4 +352,4 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
                          steps=parse_selection(steps), ranks=parse_selection(ranks), views=views)
     return CaptureSession(out, model=model, level=level, mode=mode, format=format, filter=filt,
                           meta=meta, sink=sink, overwrite=overwrite, max_host_memory=max_host_memory,
-                          gather_full=gather_full)
+                          gather_full=gather_full, durable=durable)

@@ -26,10 +26,10 @@ class DumpSink:
     """Writes events and tensors through the store's writer."""
 
     def __init__(self, path: "str | os.PathLike", *, format: str, meta: dict, overwrite: bool = False,
-                 **limits: int) -> None:
+                 durable: bool = False, **limits: int) -> None:
         from ..store import DumpWriter
         self.writer = DumpWriter(path, format=format, meta={**base_meta(), **meta}, overwrite=overwrite,
-                                 **limits)
+                                 durable=durable, **limits)
 
     def update_meta(self, **fields: object) -> None:
         """Fields for meta.json, written when the dump is closed."""
@@ -37,6 +37,10 @@ class DumpSink:
 
     def write_event(self, event: dict, data: Dict[str, torch.Tensor]) -> None:
         self.writer.write_event(event, data)
+
+    def write_events(self, items: list) -> None:
+        """A batch of ``(event, data)``: one hand-off to the writer thread."""
+        self.writer.write_events(items)
 
     def flush(self) -> None:
         """Put every event so far on disk (a shard and its index lines)."""

@@ -13,8 +13,14 @@ __all__ = ["write_json_atomic", "h5_dataset_name", "prepare_dir", "fsync_dir", "
            "unlink_quietly", "now"]
 
 
-def write_json_atomic(path: Union[str, Path], obj: Mapping[str, Any]) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically: temporary file, fsync, rename.
+def write_json_atomic(path: Union[str, Path], obj: Mapping[str, Any], *, sync: bool = True,
+                      sync_dir: bool = True) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically: temporary file, fsync, rename, fsync the
+    directory.
+
+    ``sync=False`` skips the fsyncs: still atomic for readers and after a killed process, not
+    across a power loss. ``sync_dir=False`` skips the last one: after a power loss the file
+    is then the new one or the old one, both whole.
 
     Raises:
         OSError: the file cannot be written.
@@ -26,12 +32,14 @@ def write_json_atomic(path: Union[str, Path], obj: Mapping[str, Any]) -> None:
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         unlink_quietly(tmp)
         raise
-    fsync_dir(path.parent)
+    if sync and sync_dir:
+        fsync_dir(path.parent)
 
 
 def h5_dataset_name(data_key: str) -> str:

@@ -1,12 +1,19 @@
 """Writing a dump: :class:`DumpWriter`, asynchronous, atomic and crash-tolerant.
 
-The caller hands events and host tensors to :meth:`DumpWriter.write_event`, which only
-queues them (a queue bounded by the bytes of pending tensors applies back-pressure). One
-writer thread groups tensors into shards, writes each shard under a temporary name, fsyncs
-it and renames it into place, then appends the index lines whose tensors are now on disk.
-So at every instant the directory holds a readable dump: every index line refers to data
-that is fully written, and a killed run leaves a partial dump that says so
-(``meta.json`` has ``"complete": false``).
+The caller hands events and host tensors to :meth:`DumpWriter.write_events` (a batch: one
+lock and one queue item per batch) or :meth:`DumpWriter.write_event`, which only queue them (a
+queue bounded by the bytes of pending tensors applies back-pressure). One writer thread groups
+tensors into shards, writes each shard under a temporary name and renames it into place, then
+appends the index lines whose tensors are now in a shard. So at every instant the directory
+holds a readable dump: every index line refers to data that is fully written, and a killed run
+leaves a partial dump that says so (``meta.json`` has ``"complete": false``).
+
+Durability: writes reach the operating system as they are made (a shard when it is full, the
+index after every batch and at every :meth:`~DumpWriter.flush`), so a killed process (SIGKILL,
+an out-of-memory kill, a crash) loses nothing that was written. ``fsync`` runs once, at
+:meth:`~DumpWriter.close`, before ``meta.json`` is marked complete: only a power loss or a
+kernel crash during the run can lose the last written steps. ``durable=True`` fsyncs every
+shard and every index append as well (the price: one ``fsync`` per batch).
 """
 from __future__ import annotations
 
@@ -20,22 +27,22 @@ import queue
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Deque, Dict, Mapping, Optional, Set, Union
+from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
 from ..errors import DumpError
 from .files import (fsync_dir, fsync_file, h5_dataset_name, now, prepare_dir, unlink_quietly,
                     write_json_atomic)
-from .schema import (FORMAT_VERSION, FORMATS, H5_FILE, INDEX, META, SUPPORTED_DTYPES,
-                     canonical_event, dtype_name, encode_line, shard_name)
+from .lines import canonical, encode
+from .schema import FORMAT_VERSION, FORMATS, H5_FILE, INDEX, META, SUPPORTED_DTYPES, dtype_name, shard_name
 
 __all__ = ["DumpWriter", "write_json_atomic", "h5_dataset_name"]
 
 log = logging.getLogger(__name__)
 
 _MiB = 1 << 20
-_BATCH = 1024  # queue items handled before the index is appended (one fsync per batch)
+_BATCH = 64  # queue items (batches of events) handled before the index is appended
 
 
 def _save_safetensors(tensors: Dict[str, torch.Tensor], path: str) -> None:
@@ -59,6 +66,8 @@ class DumpWriter:
             blocks. Host memory held by the writer stays below ``queue_bytes + shard_bytes``
             (plus one oversized tensor).
         overwrite: replace a dump already in the directory instead of refusing.
+        durable: fsync every shard and index append (default: written at once, fsynced when the
+            dump is closed; a killed process loses nothing either way, see the module docstring).
 
     Raises:
         DumpError: the directory cannot be created or written, or already holds a dump.
@@ -70,7 +79,7 @@ class DumpWriter:
 
     def __init__(self, path: Union[str, os.PathLike], *, format: str = "safetensors",
                  meta: Optional[Mapping[str, Any]] = None, shard_bytes: int = 256 * _MiB,
-                 queue_bytes: int = 512 * _MiB, overwrite: bool = False) -> None:
+                 queue_bytes: int = 512 * _MiB, overwrite: bool = False, durable: bool = False) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
         if shard_bytes <= 0 or queue_bytes <= 0:
@@ -83,12 +92,13 @@ class DumpWriter:
         self.path = self.root / f"rank{self.rank}" if world_size > 1 else self.root
         self._shard_bytes = int(shard_bytes)
         self._queue_bytes = int(queue_bytes)
+        self.durable = bool(durable)
 
         prepare_dir(self.path, overwrite)
         self._meta = dict(meta, format_version=FORMAT_VERSION, format=format,
                           complete=False, created=now())
         try:
-            write_json_atomic(self.path / META, self._meta)
+            write_json_atomic(self.path / META, self._meta, sync=self.durable)
             self._index = open(self.path / INDEX, "ab")
             self._h5 = self._open_h5() if format == "h5" else None
         except OSError as err:
@@ -113,10 +123,12 @@ class DumpWriter:
         self._events = 0
         self._tensors = 0
         self._bytes = 0
+        self._shards: List[Path] = []  # written, not yet fsynced
+        self._defaults = {"step": 0, "rank": self.rank, "call": 0, "device": ""}
 
-        self._thread = threading.Thread(target=self._run, name="precisiondiff-dump-writer",
-                                        daemon=True)
-        self._thread.start()
+        # Started with the first tensor data: events without data (a statistics capture) are
+        # encoded and appended on the caller's thread, with no thread to start, wake and join.
+        self._thread: Optional[threading.Thread] = None
         # a script that never closes its writer still leaves a readable (partial) dump
         self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._atexit)
@@ -145,30 +157,79 @@ class DumpWriter:
                 stored.
             ValueError: the writer is closed, or a record names a data_key never written.
         """
+        self.write_events(((event, data),))
+
+    def write_events(self, items: Iterable[Tuple[Mapping[str, Any], Mapping[str, torch.Tensor]]]) -> None:
+        """Queue a batch of ``(event, data)`` pairs, as :meth:`write_event` each, in order.
+
+        One lock and one queue item for the whole batch (what a capture emits per statistics
+        read-back). A batch whose tensors exceed ``queue_bytes`` waits until the queue is empty.
+
+        Raises:
+            DumpError, ValueError: as :meth:`write_event`; then no event of the batch is queued.
+        """
+        items = list(items)
+        if not items:
+            return
         nbytes = 0
-        for key, t in data.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"data[{key!r}] is a {type(t).__name__}, not a tensor")
-            if t.dtype not in SUPPORTED_DTYPES:
-                raise DumpError(f"cannot store tensor {key} of dtype {dtype_name(t.dtype)} in a "
-                                "dump; exclude it (--scope/--op) or capture with --mode stats")
-            nbytes += t.numel() * t.element_size()
+        keys: List[str] = []
+        for _, data in items:
+            for key, t in data.items():
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"data[{key!r}] is a {type(t).__name__}, not a tensor")
+                if t.dtype not in SUPPORTED_DTYPES:
+                    raise DumpError(f"cannot store tensor {key} of dtype {dtype_name(t.dtype)} in a "
+                                    "dump; exclude it (--scope/--op) or capture with --mode stats")
+                nbytes += t.numel() * t.element_size()
+                keys.append(key)
         with self._cond:
             self._check_open()
-            for rec in event.get("tensors") or ():
-                dk = rec.get("data_key")
-                if dk is not None and dk not in data and dk not in self._submitted:
-                    raise ValueError(f"record {rec.get('key')!r} points at data_key {dk!r}, "
-                                     "which no event has written")
+            submitted = self._submitted
+            batch_keys = set(keys)
+            for event, data in items:
+                for rec in event.get("tensors") or ():
+                    dk = rec.get("data_key")
+                    if dk is not None and dk not in submitted and dk not in batch_keys:
+                        raise ValueError(f"record {rec.get('key')!r} points at data_key {dk!r}, "
+                                         "which no event has written")
             while (self._pending_bytes > 0 and self._error is None
                    and self._pending_bytes + nbytes > self._queue_bytes):
                 self._cond.wait()
             self._raise_if_failed()
-            self._pending_bytes += nbytes
-            self._submitted.update(data)
+            submitted.update(batch_keys)
             seq = self._next_seq
-            self._next_seq += 1
-            self._queue.put(("event", event, dict(data), nbytes, seq))
+            self._next_seq += len(items)
+            if self._thread is None and nbytes == 0:
+                self._inline(self._add_events, items, seq)
+                return
+            self._pending_bytes += nbytes
+            self._start_thread()
+            self._queue.put(("events", items, nbytes, seq))
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="precisiondiff-dump-writer",
+                                            daemon=True)
+            self._thread.start()
+
+    def _inline(self, work: Any, *args: Any) -> None:
+        """Do the writer thread's work on the caller's thread (no thread yet); caller holds _cond."""
+        if self._error is None:
+            try:
+                work(*args)
+            except Exception as err:  # noqa: BLE001 - reported as the writer thread's errors are
+                self._fail(err)
+        self._raise_if_failed()
+
+    def _add_events(self, items: List[tuple], seq: int) -> None:
+        for event, data in items:
+            self._add_event(event, data, seq)
+            seq += 1
+        self._append_ready()
+
+    def _flush_files(self) -> None:
+        self._write_shard()
+        self._append_ready()
 
     def update_meta(self, **fields: Any) -> None:
         """Add fields to ``meta.json``; they are written when the dump is closed."""
@@ -183,6 +244,9 @@ class DumpWriter:
         """
         with self._cond:
             self._check_open()
+            if self._thread is None:
+                self._inline(self._flush_files)
+                return
             done = threading.Event()
             self._queue.put(("flush", done))
         done.wait()
@@ -206,10 +270,20 @@ class DumpWriter:
             if self._closed:
                 return
             self._closed = True
-            done = threading.Event()
-            self._queue.put(("stop", done))
-        done.wait()
-        self._thread.join()
+            thread = self._thread
+            if thread is None:
+                if self._error is None:
+                    try:
+                        self._flush_files()
+                        self._sync()
+                    except Exception as err:  # noqa: BLE001 - raised below, after meta.json
+                        self._fail(err)
+            else:
+                done = threading.Event()
+                self._queue.put(("stop", done))
+        if thread is not None:
+            done.wait()
+            thread.join()
         atexit.unregister(self._atexit)
         for fh in (self._index, self._h5):
             try:
@@ -221,7 +295,9 @@ class DumpWriter:
         meta = dict(self._meta, complete=bool(complete) and not failed, events=self._events,
                     tensors=self._tensors, bytes=self._bytes, closed=now())
         try:
-            write_json_atomic(self.path / META, meta)
+            # the directory is synced only when shards were renamed into it (in _sync) or with
+            # durable=True: after a power loss a stats dump reads as complete or as partial
+            write_json_atomic(self.path / META, meta, sync_dir=self.durable)
             self._meta = meta
         except OSError as err:
             if not failed:
@@ -269,7 +345,7 @@ class DumpWriter:
         stop = False
         while not stop:
             batch = [self._queue.get()]
-            while len(batch) < _BATCH and batch[-1][0] == "event":
+            while len(batch) < _BATCH and batch[-1][0] == "events":
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
@@ -278,22 +354,26 @@ class DumpWriter:
                 kind = item[0]
                 try:
                     if self._error is None:
-                        if kind == "event":
-                            self._add_event(item[1], item[2], item[4])
+                        if kind == "events":
+                            seq = item[3]
+                            for event, data in item[1]:
+                                self._add_event(event, data, seq)
+                                seq += 1
                         else:
-                            self._write_shard()
-                            self._append_ready()
+                            self._flush_files()
+                            if kind == "stop":
+                                self._sync()
                 except Exception as err:  # captured; raised on the caller's next call
                     self._fail(err)
                 finally:
-                    if kind == "event":
+                    if kind == "events":
                         with self._cond:
-                            self._pending_bytes -= item[3]
+                            self._pending_bytes -= item[2]
                             self._cond.notify_all()
                     else:
                         stop = stop or kind == "stop"
                         item[1].set()
-            if self._error is None:
+            if self._error is None and not stop:
                 try:
                     self._append_ready()
                 except Exception as err:
@@ -314,13 +394,8 @@ class DumpWriter:
             t = self._own(t)
             self._buf[key] = t
             self._buf_bytes += t.numel() * t.element_size()
-        line = canonical_event(event)
-        if line["seq"] is None:
-            line["seq"] = seq
-        for field, default in (("step", 0), ("rank", self.rank), ("call", 0), ("device", "")):
-            if line[field] is None:
-                line[field] = default
-        self._waiting.append(line)
+        self._defaults["seq"] = seq
+        self._waiting.append(canonical(event, self._defaults))
         if self._buf_bytes >= self._shard_bytes:
             self._write_shard()
 
@@ -349,12 +424,16 @@ class DumpWriter:
             tmp = self.path / (name + ".tmp")
             try:
                 _save_safetensors(self._buf, str(tmp))
-                fsync_file(tmp)
+                if self.durable:
+                    fsync_file(tmp)
                 os.replace(tmp, final)
             except BaseException:
                 unlink_quietly(tmp)
                 raise
-            fsync_dir(self.path)
+            if self.durable:
+                fsync_dir(self.path)
+            else:
+                self._shards.append(final)
             self._shard_no += 1
         else:
             name = H5_FILE
@@ -370,24 +449,46 @@ class DumpWriter:
         """Append the index lines of the leading events whose tensors are all on disk."""
         lines = []
         records = 0
-        while self._waiting:
-            line = self._waiting[0]
-            keys = [r["data_key"] for r in line["tensors"] if r["data_key"] is not None]
-            if any(k not in self._where for k in keys):
-                break
-            self._waiting.popleft()
+        waiting, where = self._waiting, self._where
+        while waiting:
+            line = waiting[0]
+            ready = True
             for r in line["tensors"]:
-                if r["data_key"] is not None:
-                    r["shard"] = self._where[r["data_key"]]
-            lines.append(encode_line(line) + "\n")
+                dk = r["data_key"]
+                if dk is not None:
+                    shard = where.get(dk)
+                    if shard is None:
+                        ready = False
+                        break
+                    r["shard"] = shard
+            if not ready:
+                break
+            waiting.popleft()
+            lines.append(encode(line))
             records += len(line["tensors"])
         if not lines:
             return
-        self._index.write("".join(lines).encode())
+        lines.append(b"")
+        self._index.write(b"\n".join(lines))
         self._index.flush()
-        os.fsync(self._index.fileno())
-        self._events += len(lines)
+        if self.durable:
+            os.fsync(self._index.fileno())
+        self._events += len(lines) - 1
         self._tensors += records
+
+    def _sync(self) -> None:
+        """Make everything written durable before meta.json says the dump is complete."""
+        if self.durable:
+            return
+        if self._index.tell():
+            os.fsync(self._index.fileno())
+        if self._h5 is not None:
+            self._sync_h5()
+        for shard in self._shards:
+            fsync_file(shard)
+        if self._shards:
+            fsync_dir(self.path)
+        self._shards.clear()
 
     # -- h5 --------------------------------------------------------------------------------
 
@@ -405,6 +506,10 @@ class DumpWriter:
             ds.attrs["dtype"] = dtype
             ds.attrs["key"] = key
         self._h5.flush()
+        if self.durable:
+            self._sync_h5()
+
+    def _sync_h5(self) -> None:
         try:
             os.fsync(self._h5.id.get_vfd_handle())
         except (OSError, TypeError, ValueError):  # pragma: no cover - driver without an fd
