@@ -27,14 +27,16 @@ __all__ = ["capture", "refuse_workload_with_script"]
               help="also record DTensors' full tensors, gathered at each step's end (default: local shards)")
 @click.option("--gather-full-only", "gather_only", default=None, metavar="REGEX",
               help="--gather-full for the DTensors whose record key matches REGEX only")
+@click.option("--durable", is_flag=True,
+              help="fsync the dump at every batch, not only at close (survives a power loss, costs a few ms each)")
 def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, op, op_exclude,
             steps, ranks, script, views, train, repeat, overwrite, max_host_memory, gather_full,
-            gather_only) -> None:
+            gather_only, durable) -> None:
     """Capture a workload (path/file.py:fn, package.module:fn or hf:PATH) or a script into a dump."""
     from ..capture.runner import capture_script, capture_workload
     filters = dict(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
                    ranks=ranks, views=views, max_host_memory=parse_size(max_host_memory),
-                   gather_full=gather_only or gather_full)
+                   gather_full=gather_only or gather_full, durable=durable)
     if script:
         if target:
             raise PrecisionDiffError("--target has no effect with --script: the script places its model "

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch import nn
 
@@ -174,3 +175,25 @@ def test_a_sink_overriding_write_event_still_sees_every_event():
         for _ in range(5):
             x = torch.cos(x)
     assert sink.seen == len(sink.events) == 5 and len(sink.data) == 6
+
+
+@pytest.mark.parametrize("flag", [[], ["--durable"]])
+def test_cli_durable_flag_reaches_the_writer(tmp_path, monkeypatch, flag):
+    """``capture --durable`` fsyncs while the capture runs; without it only close does."""
+    import os
+    from click.testing import CliRunner
+    from precisiondiff.cli import cli
+    from precisiondiff.store import writer as writer_mod
+    seen = []
+    real_init = writer_mod.DumpWriter.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("durable", False))
+        real_init(self, *args, **kwargs)
+    monkeypatch.setattr(writer_mod.DumpWriter, "__init__", spy)
+    out = tmp_path / "d"
+    res = CliRunner().invoke(cli, ["capture", "examples/tiny_transformer.py:build", "-o", str(out),
+                                   "--target", "cpu/bf16", "--level", "module", *flag])
+    assert res.exit_code == 0, res.output
+    assert seen == [bool(flag)]
+    assert store.load(out).complete and os.path.isdir(out)
