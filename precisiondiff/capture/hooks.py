@@ -29,6 +29,24 @@ __all__ = ["ModuleHooks", "SCOPE_TAG", "CURRENT_NODE"]
 SCOPE_TAG = "precisiondiff_scope"
 CURRENT_NODE = getattr(torch._C, "_current_autograd_node", None)
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+_CLASS_NAMES: Dict[type, str] = {}
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's class name as the user wrote it. FSDP2's ``fully_shard`` (and DDP's
+    composable ``replicate``) swap a module's class for a generated ``type("FSDP" + name,
+    (FSDPModule, cls), ...)``: recorded as ``FSDPLinear`` it would not align with the same model
+    run without sharding, so such a generated class is named by the class it wraps."""
+    cls = type(module)
+    name = _CLASS_NAMES.get(cls)
+    if name is None:
+        name = cls.__name__
+        bases = cls.__bases__
+        if (len(bases) == 2 and bases[0].__module__.startswith("torch.distributed.")
+                and name.endswith(bases[1].__name__) and name != bases[1].__name__):
+            name = bases[1].__name__
+        _CLASS_NAMES[cls] = name
+    return name
 
 
 class _Boundary:
@@ -153,7 +171,7 @@ class ModuleHooks:
         for module in root.modules():
             for pname, param in module.named_parameters(recurse=False):
                 if param.requires_grad and id(param) not in self._param_owner:
-                    self._param_owner[id(param)] = (self._names[module], type(module).__name__, pname)
+                    self._param_owner[id(param)] = (self._names[module], class_name(module), pname)
                     self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
 
     def _hook_model(self, model: nn.Module) -> None:
@@ -183,7 +201,7 @@ class ModuleHooks:
                 "the script calls a torch.compile'd module, which capture cannot record as compiled: "
                 "capture it without torch.compile (e.g. TORCHDYNAMO_DISABLE=1)"))
         if module not in self._names:
-            prefix = "" if self._roots == 0 else f"{type(module).__name__}_{self._roots}"
+            prefix = "" if self._roots == 0 else f"{class_name(module)}_{self._roots}"
             self._roots += 1
             self._register_names(module, prefix)
         self._fwd_pre(module, args, {})
@@ -235,7 +253,7 @@ class ModuleHooks:
 
     def _record_inputs(self, module: nn.Module, scope: str, args: Any, kwargs: Any) -> None:
         rec = self.recorder
-        event = rec.begin("module", scope, type(module).__name__, "forward")
+        event = rec.begin("module", scope, class_name(module), "forward")
         with _NoGrad():
             for i, t in enumerate(flatten_tensors((args, kwargs))):
                 if id(t) not in event.slots:
@@ -294,7 +312,7 @@ class ModuleHooks:
     def _watch_backward(self, module: nn.Module, scope: str, output: Any, boundary: "_Boundary",
                         edges: list, n_inputs: int) -> None:
         outputs = flatten_tensors(output)
-        call = {"scope": scope, "name": type(module).__name__, "outputs": {}, "inputs": {},
+        call = {"scope": scope, "name": class_name(module), "outputs": {}, "inputs": {},
                 "remaining": 0, "step": self.recorder.step, "done": False}
         for k, t in enumerate(outputs):
             if not t.requires_grad:
