@@ -95,6 +95,8 @@ def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> N
     if type(t) in _PLAIN and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
         data, address, n = t, t.data_ptr(), t.numel()
     else:  # a row-major copy made by NumPy (no PyTorch op), or a subclass's memory through DLPack
+        if t.requires_grad:  # DLPack refuses such a tensor (e.g. a parameter's transpose)
+            t = t.detach()
         data = _array(t.view(torch.int16) if dtype.itemsize == 2 else t)
         address, n = data.ctypes.data, data.size
     if not address:

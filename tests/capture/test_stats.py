@@ -194,3 +194,14 @@ def test_parameters_and_subclasses_read_their_own_memory(dtype):
         f, e = _both(t)
         _assert_same(f, e, t.numel())
         assert f["fingerprint"] == fingerprint(t.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_transposed_parameter_stays_on_the_fast_path(dtype):
+    """A strided tensor that requires grad (``w.t()`` of a parameter, as a linear layer's
+    weight reaches the dispatch) is copied row-major and fused: DLPack refuses tensors that
+    require grad, and the eager fallback costs ~4x the fused pass per tensor (bench_capture_peers)."""
+    w = torch.nn.Parameter(torch.randn(40, 30, generator=torch.Generator().manual_seed(4)).to(dtype)).t()
+    assert w.requires_grad and not w.is_contiguous()
+    acc, _ = stats_kernel.fused_stats(w)  # raises where the kernel cannot read the tensor
+    assert (acc[0], acc[1]) == (w.min().item(), w.max().item())
