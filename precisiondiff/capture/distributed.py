@@ -140,6 +140,15 @@ class Deferred:
 
     def __init__(self) -> None:
         self.items: List[_Issued] = []
+        # The c10d works recorded this step and the step before, held until the next step's end
+        # (dropped with the session at its close). A gloo work created under capture's dispatch
+        # mode keeps that mode (a Python object) in its thread-local state; if a gloo worker
+        # thread drops the last reference, it needs the GIL to free it, while the main thread,
+        # tearing down a DDP reducer or process group, holds the GIL and joins that worker: a
+        # deadlock seen at the end of a torchrun script. Holding a reference here makes the
+        # main thread the one that frees the work.
+        self._works: List[Any] = []
+        self._works_before: List[Any] = []
 
     def defer(self, name: str, out: Any, settle: Callable[[bool, Dict[str, str]], None],
               written: Any = None) -> None:
@@ -157,7 +166,16 @@ class Deferred:
         hits = [item for item in self.items if item.storages & touched]
         for item in hits:
             self.items.remove(item)
+            self._hold(item)
             self._settle(item)
+
+    def new_step(self) -> None:
+        """A step ended: the works held from the step before it are released."""
+        self._works_before, self._works = self._works, []
+
+    def _hold(self, item: _Issued) -> None:
+        """Keep the c10d works of ``item`` (see ``__init__``)."""
+        self._works.extend(v for v in _flat_objects(item.out) if isinstance(v, torch.ScriptObject))
 
     def settle_all(self, at_step_end: bool = True) -> None:
         """Record every held collective. A c10d collective on the host (gloo) whose work is not
@@ -165,6 +183,7 @@ class Deferred:
         than waited for: waiting there could hang a job that waits later on purpose."""
         items, self.items = self.items, []
         for item in items:
+            self._hold(item)
             if item.name in _P2P and item.storages:  # a receive no op read: its work cannot be asked
                 item.settle(False, {"output": "a receive no op read before the step's end: not recorded"})
             elif at_step_end and _incomplete_on_host(item):

@@ -260,9 +260,14 @@ class CaptureSession(ModuleHooks):
     def _settle_collectives(self) -> None:
         """Record the collectives no op has read yet (distributed.Deferred); never raises."""
         deferred = self._mode.deferred if self._mode is not None else None
-        if not deferred or not deferred.items:
+        if deferred is None:
+            return
+        deferred.new_step()
+        if not deferred.items:
             return
         if self.errors:
+            for item in deferred.items:
+                deferred._hold(item)
             deferred.items.clear()
             return
         was, self.paused = self.paused, True
