@@ -9,7 +9,6 @@ units with hypothesis.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 from precisiondiff.bisect.collectives import CollectiveUnit, judge_collective
 from precisiondiff.bisect.ranks import bisect_ranks
 from tests.conftest import pd_cli
+from tests.distributed.conftest import free_port
 from tests.distributed import workers_tp_bisect as workers
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
@@ -28,14 +28,6 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no
 GEMM = "pdtest_tp.linear.default"
 ALL_REDUCE = "_c10d_functional.all_reduce.default"
 WORKER = str(Path(workers.__file__))
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed.conftest import free_port
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 
 SCRIPT = str(Path(__file__).with_name("train_tp_bisect.py"))
 GEMM = "pdtest_tp.linear.default"
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def test_torchrun_bisect_script_names_the_gemm_wrong_on_rank_1(tmp_path):
