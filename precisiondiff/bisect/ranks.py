@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import BisectError, PrecisionDiffError
-from ..store.reader import iter_index
 from .collectives import CollectiveUnit, CollectiveVerdict, collect_units, judge_collective
 from .offline import bisect_dump
 from .result import BisectResult, _clean
-from .shards import placements_of, prepare_events
+from .shards import first_step_events, placements_of, prepare_events
 
 __all__ = ["RanksBisectResult", "bisect_ranks", "is_multi_rank", "ranks_summary_lines"]
 
@@ -83,13 +82,7 @@ def _import_workload_module(workload: Any) -> None:
 def _seqs(path: Path) -> Dict[Tuple[str, str, str, str, int], int]:
     """(kind, scope, name, direction, call) -> seq, first step of one rank's dump."""
     out: Dict[Tuple[str, str, str, str, int], int] = {}
-    first = None
-    for _, ev, _ in iter_index(path, strict=False):
-        if not ev:
-            continue
-        first = ev.get("step") if first is None else first
-        if ev.get("step") != first:
-            break
+    for ev in first_step_events(path):
         out.setdefault((ev["kind"], ev["scope"], ev["name"], ev["direction"], int(ev.get("call") or 0)),
                        int(ev["seq"]))
     return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -26,19 +26,25 @@ from ..store.reader import iter_index
 from .collectives import is_collective_op
 from .isolate import UnitEvent
 
-__all__ = ["placements_of", "prepare_events"]
+__all__ = ["first_step_events", "placements_of", "prepare_events"]
 
 
-def placements_of(path: "str | Path") -> Dict[int, Dict[str, Tuple[List[str], int]]]:
-    """seq -> slot -> (placements, mesh size) of every DTensor record of a rank's first step."""
-    out: Dict[int, Dict[str, Tuple[List[str], int]]] = {}
+def first_step_events(path: "str | Path") -> Iterator[Dict[str, Any]]:
+    """The index records of a rank's dump up to the end of its first step (damaged lines skipped)."""
     first = None
     for _, ev, _ in iter_index(path, strict=False):
         if not ev:
             continue
         first = ev.get("step") if first is None else first
         if ev.get("step") != first:
-            break
+            return
+        yield ev
+
+
+def placements_of(path: "str | Path") -> Dict[int, Dict[str, Tuple[List[str], int]]]:
+    """seq -> slot -> (placements, mesh size) of every DTensor record of a rank's first step."""
+    out: Dict[int, Dict[str, Tuple[List[str], int]]] = {}
+    for ev in first_step_events(path):
         for t in ev.get("tensors") or ():
             if t.get("placements"):
                 out.setdefault(int(ev["seq"]), {})[t["slot"]] = (list(t["placements"]), len(t.get("mesh") or ()))
