@@ -58,6 +58,7 @@ def compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge:
     ev_a = [e for e in ev_a if keep(e) and not (judge.single_ref and e.kind == "gathered")]
     ev_b = [e for e in ev_b if keep(e)]
     alignment: Alignment = align_events(_refs(ev_a), _refs(ev_b))
+    notes.extend(n for n in alignment.notes if n not in notes)
     noise_of: Dict[int, Any] = {}
     if dn is not None:
         ev_n = [e for e in dn.events() if keep(e)]
