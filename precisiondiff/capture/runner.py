@@ -1,7 +1,6 @@
 """Capture a workload or a script on a target: what ``precisiondiff capture`` runs."""
 from __future__ import annotations
 
-import copy
 import os
 import runpy
 import sys
@@ -12,6 +11,7 @@ from . import capture
 from .filters import parse_selection
 from .replace import replacing
 from .observer import compare_snapshots, restored_rng, rng_state, set_rng_state, snapshot
+from ..runtime.copying import copy_model
 from ..runtime.targets import Target, default_dut
 from ..runtime.workload import load_workload, run_workload
 
@@ -72,7 +72,7 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         with replacing(path, overwrite) as target_dir:
             # observer effect: step 0 again without capture, from the same weights (a copy taken
             # before any hook) and the same RNG state
-            plain_model = copy.deepcopy(model)
+            plain_model = copy_model(model)
             try:
                 with capture(target_dir, model=model, level=level, mode=mode, format=format,
                              steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
