@@ -19,15 +19,18 @@ process id on this host, torchrun's run id and port).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
 from typing import Iterator
 
-from ..errors import PrecisionDiffError
+from ..errors import DumpError, PrecisionDiffError
 from .distributed import rank_and_world
 
 __all__ = ["replacing"]
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -109,9 +112,16 @@ def _replacing_in_job(out: str, rank: int, world: int) -> Iterator[str]:
     try:
         yield fresh
     except BaseException as err:
-        _finish(out, fresh, failed, marks, rank, world, "failed")
+        try:
+            _finish(out, fresh, failed, marks, rank, world, "failed")
+        except OSError as swap_err:  # never hide the capture's own error
+            log.error("setting the failed capture %s aside: %s", fresh, swap_err)
         _reraise_with_where(err, out, f"{fresh} (moved to {failed} when every rank has finished)")
-    _finish(out, fresh, failed, marks, rank, world, "ok")
+    try:
+        _finish(out, fresh, failed, marks, rank, world, "ok")
+    except OSError as err:
+        raise DumpError(f"cannot replace {out} with the new dump in {fresh}: {err.strerror or err}; "
+                        "the new dump stays there") from err
 
 
 def _finish(out: str, fresh: str, failed: str, marks: str, rank: int, world: int, outcome: str) -> None:
