@@ -15,8 +15,10 @@ each block (``_fsdp_wrapped_module.`` and ``_checkpoint_wrapped_module.`` inside
   wrapper attributes — ``module``, ``_orig_mod``... — unless the two root modules differ in class:
   a wrapper of another name). The wrapper's own
   events (the root module ``DistributedDataParallel``, ``Float16Module``..., and the ops it runs
-  outside the model) get the scope ``(wrapper)``: they stay unmatched instead of shifting the
-  model's root events.
+  at its own paths) get the scope ``(wrapper)``: they stay unmatched instead of shifting the
+  model's root events. Ops at the root path stay there: in a script they are the program's own
+  (initialization, the loss, the optimizer's), the wrapper's among them stay unmatched by the
+  op sequence alignment.
 
 Only the paths alignment matches on change; rows keep each dump's own paths.
 """
@@ -120,7 +122,8 @@ def unwrap(a: Sequence, b: Sequence) -> Tuple[list, list, List[str]]:
                               any_name=bool(root and their_root and root != their_root))
         if not prefix:
             continue
-        sides[me] = [dataclasses.replace(e, scope=_strip(e.scope, prefix)) for e in mine]
+        sides[me] = [e if e.scope == "" and e.kind == "op" else dataclasses.replace(e, scope=_strip(e.scope, prefix))
+                     for e in mine]
         other = "B" if label == "A" else "A"
         notes.append(f"{label}'s module paths carry the wrapper prefix '{prefix}.'"
                      f"{f' (its root {root} wraps the model)' if root else ''}: aligned with {other}'s "
