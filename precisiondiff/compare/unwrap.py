@@ -24,8 +24,7 @@ Only the paths alignment matches on change; rows keep each dump's own paths.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 __all__ = ["WRAPPER_COMPONENTS", "WRAPPER_SCOPE", "unwrap"]
 
@@ -36,7 +35,17 @@ WRAPPER_ATTRIBUTES = ("module",) + WRAPPER_COMPONENTS
 
 
 def _has_components(events: Sequence) -> bool:
-    return any(c in WRAPPER_COMPONENTS for e in events for c in e.scope.split("."))
+    return any(c in WRAPPER_COMPONENTS for scope in {e.scope for e in events} for c in scope.split("."))
+
+
+def _rescoped(events: Sequence, new_scope: Callable[[Any], str]) -> list:
+    """``events`` with the scopes ``new_scope(event)`` (an event whose scope stays is kept)."""
+    out = []
+    for e in events:
+        scope = new_scope(e)
+        out.append(e if scope == e.scope else type(e)(e.index, e.seq, e.kind, scope, e.name, e.direction,
+                                                      e.call, e.step, e.out_shapes))
+    return out
 
 
 def _drop_components(scope: str) -> str:
@@ -112,18 +121,19 @@ def unwrap(a: Sequence, b: Sequence) -> Tuple[list, list, List[str]]:
     for me, label in ((0, "A"), (1, "B")):
         mine, theirs = sides[me], sides[1 - me]
         if _has_components(mine) and not _has_components(theirs):
-            sides[me] = [dataclasses.replace(e, scope=_drop_components(e.scope)) for e in mine]
+            dropped = {scope: _drop_components(scope) for scope in {e.scope for e in mine}}
+            sides[me] = _rescoped(mine, lambda e: dropped[e.scope])
             notes.append(f"{label}'s module paths carry wrapper components ({', '.join(WRAPPER_COMPONENTS)}): "
                          "aligned without them")
     for me, label in ((0, "A"), (1, "B")):
         mine, theirs = sides[me], sides[1 - me]
         root, their_root = _root_name(mine), _root_name(theirs)
-        prefix = _best_prefix([e.scope for e in mine], [e.scope for e in theirs],
+        prefix = _best_prefix(list({e.scope for e in mine}), list({e.scope for e in theirs}),
                               any_name=bool(root and their_root and root != their_root))
         if not prefix:
             continue
-        sides[me] = [e if e.scope == "" and e.kind == "op" else dataclasses.replace(e, scope=_strip(e.scope, prefix))
-                     for e in mine]
+        stripped = {scope: _strip(scope, prefix) for scope in {e.scope for e in mine}}
+        sides[me] = _rescoped(mine, lambda e: "" if e.scope == "" and e.kind == "op" else stripped[e.scope])
         other = "B" if label == "A" else "A"
         notes.append(f"{label}'s module paths carry the wrapper prefix '{prefix}.'"
                      f"{f' (its root {root} wraps the model)' if root else ''}: aligned with {other}'s "
