@@ -11,7 +11,6 @@ that have no golden-dtype implementation in float32 instead (documented fallback
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
@@ -21,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.serialize import decode_call, flatten_tensors
 from ..comparators.accumulation import is_random_call
 from ..comparators.peers import reductions_in_dtype, reference_semantics
+from ..runtime.copying import copy_model
 from .references import reference_for
 
 __all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
@@ -364,7 +364,7 @@ class GoldenMode(TorchDispatchMode):
 
 
 def _module_copy(template: torch.nn.Module, ev: UnitEvent, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    module = copy.deepcopy(template).to(device=device)
+    module = copy_model(template).to(device=device)
     module = module.to(dtype=dtype)
     up = _upcaster(device, dtype)
     with torch.no_grad():
