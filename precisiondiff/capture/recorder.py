@@ -72,7 +72,7 @@ class PendingEvent:
     ``extra`` holds event fields beyond the schema's (a collective's group)."""
 
     __slots__ = ("kind", "scope", "name", "direction", "call", "step", "tensors", "slots", "device",
-                 "output_seen", "seq", "args", "extra")
+                 "output_seen", "seq", "args", "extra", "unread")
 
     def __init__(self, kind: str, scope: str, name: str, direction: str, call: int, step: int) -> None:
         self.kind = kind
@@ -88,6 +88,7 @@ class PendingEvent:
         self.seq = 0
         self.args: Any = None
         self.extra: Optional[dict] = None
+        self.unread: Optional[set] = None  # ids of uninitialized buffers the op fills (dispatch.py)
 
 
 _DTYPE_NAMES: Dict[torch.dtype, str] = {}
@@ -168,6 +169,9 @@ class Recorder:
         self._seen: "collections.OrderedDict[tuple, Tuple[torch.Tensor, Optional[str], int]]" = collections.OrderedDict()
         # content identity -> (tensor, stats handle), the same bounded window as _seen
         self._same_content: "collections.OrderedDict[tuple, Tuple[torch.Tensor, int]]" = collections.OrderedDict()
+        # (device, storage base address) -> [(identity, content identity)] of what _seen holds
+        # there, for forget(): a write through another alias (.data) bumps no version counter
+        self._by_base: Dict[tuple, List[tuple]] = {}
 
     @property
     def stores_data(self) -> bool:
@@ -209,7 +213,7 @@ class Recorder:
         if (cls is not _Tensor and cls is not _Parameter) or t.is_meta:
             t, extra = local_view(t)
             if t is None:
-                return self._add_unmeasured(event, slot, original, extra)
+                return self.add_unmeasured(event, slot, original, extra)
             if self.gather is not None and extra and "placements" in extra:
                 self.gather.note(self._key(event, slot), event, slot, original, t)
         stores = store and self._stores
@@ -264,7 +268,10 @@ class Recorder:
                     self._same_content[content] = (t, handle)
             if ident[5] != -1:
                 seen_map[ident] = (t, data_key, handle)
-                self._kept_bytes += numel * t.element_size()
+                itemsize = t.element_size()
+                self._by_base.setdefault((device, ident[1] - t.storage_offset() * itemsize), []).append(
+                    (ident, content))
+                self._kept_bytes += numel * itemsize
                 if len(seen_map) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
                     self._evict()
         event.tensors.append((slot, ident[4], ident[2], data_key, handle, extra))
@@ -290,12 +297,35 @@ class Recorder:
         step = event.step if (self.multi_step is True or (self.multi_step is None and event.step > 0)) else None
         return make_key(event.scope, event.name, event.call, event.direction, slot, step)
 
-    def _add_unmeasured(self, event: PendingEvent, slot: str, t: torch.Tensor, extra: dict) -> None:
-        """A tensor without data capture can read (meta, fake, opaque subclass): named, not measured."""
+    def add_unmeasured(self, event: PendingEvent, slot: str, t: torch.Tensor, extra: dict, *,
+                       name_slot: bool = True) -> None:
+        """A tensor recorded without statistics: one capture cannot read (meta, fake, opaque
+        subclass) or whose contents are noise (an uninitialized buffer). ``name_slot=False``
+        keeps replay arguments from referring to it (replay allocates it from dtype and shape)."""
         event.tensors.append((slot, t.dtype, t.shape, None, None, extra))
-        event.slots.setdefault(id(t), slot)
+        if name_slot:
+            event.slots.setdefault(id(t), slot)
         if event.device is None:
             event.device = str(t.device)
+
+    def forget(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The memory of these tensors was written: what was recorded of it (through any alias,
+        any view) is no longer what a later read sees, whatever its version counter says."""
+        self._last = None
+        by_base, seen, same = self._by_base, self._seen, self._same_content
+        if not by_base:
+            return
+        for t in tensors:
+            try:
+                base = (t.device, t.data_ptr() - t.storage_offset() * t.element_size())
+            except (RuntimeError, NotImplementedError):  # no storage: nothing of it was recorded
+                continue
+            for ident, content in by_base.pop(base, ()):
+                entry = seen.pop(ident, None)
+                if entry is not None:
+                    self._kept_bytes -= _nbytes(entry[0])
+                if content is not None:
+                    same.pop(content, None)
 
     def _evict(self) -> None:
         """Forget the oldest tensors beyond the window's count or bytes (they may be freed)."""
@@ -304,6 +334,10 @@ class Recorder:
             self._kept_bytes -= _nbytes(entry[0])
         while len(self._same_content) > len(self._seen):
             self._same_content.popitem(last=False)
+        if len(self._by_base) > 2 * self.dedup_window:  # entries of evicted tensors: rebuilt from _seen
+            kept = set(self._seen)
+            self._by_base = {k: v for k, v in ((k, [e for e in v if e[0] in kept])
+                                               for k, v in self._by_base.items()) if v}
 
     def slot_of(self, event: PendingEvent, t: torch.Tensor) -> str:
         """The slot a tensor of this event was recorded under (for replay arguments)."""
@@ -376,6 +410,7 @@ class Recorder:
         self._last = None
         self._seen.clear()
         self._same_content.clear()
+        self._by_base.clear()
         self._kept_bytes = 0
         self._data.clear()
         self._data_bytes = 0
