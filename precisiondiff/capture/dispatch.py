@@ -241,11 +241,13 @@ class OpCaptureMode(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        # Dynamo refuses to compile a frame under a dispatch mode. Eager flex_attention and
-        # torch.cond compile a one-call wrapper of their HOP with fullgraph=True (flex_attention
-        # raises "found no compiled frames" when skipped; cond's uncompiled fallback fails in
-        # backward): for those wrappers only, capture lets Dynamo compile. The wrapper's graph
-        # calls the HOP, which reaches __torch_dispatch__ and is recorded as one unit.
+        # Dynamo refuses to compile a frame under a dispatch mode. Eager flex_attention, cond,
+        # while_loop... compile a one-call wrapper of their HOP (fullgraph=True). Skipped, that
+        # fails: flex_attention raises "found no compiled frames", and Dynamo remembers the skip,
+        # so the same call without capture later fails too. For those wrappers only (torch marks
+        # them: _in_hop_compile), capture lets Dynamo compile; their graph calls the HOP, which
+        # reaches __torch_dispatch__ and is recorded as one unit. Module hooks do nothing while
+        # Dynamo traces (hooks.py), so a branch calling a module has no side effect to refuse.
         return _in_hop_compile()
 
     @classmethod

@@ -139,6 +139,26 @@ def test_higher_order_operators_are_recorded_as_units(level, mode):
     assert _slot(cond, "output.0")["stats"]["max"] == pytest.approx(out.max().item())
 
 
+@pytest.mark.parametrize("mode", ["stats", "replay"])
+def test_while_loop_is_recorded_as_one_unit(mode):
+    from torch._higher_order_ops.while_loop import while_loop
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def run():
+        with torch.no_grad():
+            return while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, lin(h).tanh()), (torch.tensor(0), x))
+
+    plain = run()
+    sink = MemorySink()
+    with precisiondiff.capture(sink=sink, model=lin, level="op", mode=mode) as cap:
+        captured = run()
+    assert not cap.errors
+    assert all(torch.equal(a, b) for a, b in zip(plain, captured))
+    (ev,) = _ops(sink, "higher_order.while_loop")
+    assert _slot(ev, "output.1")["stats"]["max"] == captured[1].max().item()
+
+
 # Dynamo's own variable builder reads .grad of a non-leaf while compiling cond's wrapper
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_cond_backward_under_capture_and_the_note_in_the_dump(tmp_path):
@@ -148,7 +168,8 @@ def test_cond_backward_under_capture_and_the_note_in_the_dump(tmp_path):
 
     def step():
         y = lin(x)
-        out = torch.cond(y.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (y,))
+        # a branch calling a hooked module: Dynamo traces it (capture's hooks stand aside)
+        out = torch.cond(y.sum() > 0, lambda a: lin(a).sin(), lambda a: a.cos(), (y,))
         out.sum().backward()
         grad, lin.weight.grad = lin.weight.grad.clone(), None
         return out.detach(), grad
