@@ -113,6 +113,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _moved(t: torch.Tensor, ptr: int) -> bool:
+    """Whether ``t`` no longer holds the memory at ``ptr`` it was recorded with."""
+    try:
+        return t.data_ptr() != ptr
+    except RuntimeError:  # no storage: it was identified by id(), which it still has
+        return False
+
+
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type == "cpu":
@@ -202,8 +210,10 @@ class Recorder:
                 version = t._version
             except RuntimeError:
                 version = -1
-            if version == last[1] and (last[3] is not None or not (store and self._stores)):
-                ident = last[2]
+            ident = last[2]
+            # ``t.data = other`` swaps the memory under the same tensor and version counter
+            if version == last[1] and (last[3] is not None or not (store and self._stores)) \
+                    and t.data_ptr() == ident[1] and t.dtype == ident[4]:
                 if ident[0].type != "cpu":
                     self._streams.note(ident[0])
                 event.tensors.append((slot, ident[4], ident[2], last[3], last[4], None))
@@ -235,6 +245,12 @@ class Recorder:
         ident = (device, ptr, t.shape, t.stride(), t.dtype, version)
         seen_map = self._seen
         seen = None if fresh else seen_map.get(ident)
+        if seen is not None and seen[0] is not t and _moved(seen[0], ptr):
+            # the tensor kept for this identity had its memory swapped (``.data =``): the old
+            # memory may have been freed and reused by this one, which is a new tensor
+            del seen_map[ident]
+            self._kept_bytes -= _nbytes(seen[0])
+            seen = None
         if seen is not None:
             seen_map.move_to_end(ident)
             _, data_key, handle = seen

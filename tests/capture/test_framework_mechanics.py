@@ -323,3 +323,17 @@ def test_script_capture_records_the_reinitialised_weight(tmp_path):
     for ev, weight in zip(mms, seen):
         assert torch.equal(dump.tensor(next(t.key for t in ev.tensors if t.slot == "input.2")), weight.t())
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["complete"] is True
+
+
+def test_a_tensor_whose_memory_is_swapped_is_measured_afresh():
+    # Module._apply and ZeRO's flat buffers do ``t.data = other``: same tensor, same version
+    # counter, other memory
+    x, other = torch.randn(4, 4), torch.full((4, 4), 3.0)
+    sink = MemorySink()
+    with precisiondiff.capture(sink=sink, level="op", mode="tensors") as cap:
+        a = x.sin()
+        a.data = other
+        a.cos()
+    assert not cap.errors
+    (cos,) = _ops(sink, "aten.cos.default")
+    assert torch.equal(sink.tensor(_slot(cos, "input.0")), other)
