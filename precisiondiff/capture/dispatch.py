@@ -101,8 +101,10 @@ class _Uninitialized:
         self.refs: Dict[int, Any] = {}
 
     def add(self, value: Any) -> None:
-        if len(self.refs) > 64:  # buffers freed without ever being written
-            self.refs = {k: r for k, r in self.refs.items() if not r.expired()}
+        refs = self.refs
+        if len(refs) > 64:  # buffers freed without ever being written (pruned in place: the
+            for k in [k for k, r in refs.items() if r.expired()]:  # mode holds this dict)
+                del refs[k]
         for t in flatten_tensors(value):
             ref = _storage_ref(t)
             if ref is not None:
@@ -200,6 +202,7 @@ class OpCaptureMode(TorchDispatchMode):
         self._scopes: Dict[str, bool] = {}
         self.deferred = Deferred()  # collectives recorded once their result is ready
         self.uninitialized = _Uninitialized()
+        self._pending = self.uninitialized.refs  # non-empty while an uninitialized buffer is live
         self.hops_seen: Dict[str, int] = {}  # higher-order operators recorded, by name
 
     def _describe(self, func: Any) -> _OpInfo:
@@ -285,7 +288,7 @@ class OpCaptureMode(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
             if info.uninitialized:
                 self.uninitialized.add(out)
-            elif info.writes or info.collective or (self.uninitialized.refs and not info.is_view):
+            elif info.writes or info.collective or (self._pending and not info.is_view):
                 self._wrote(info, args, kwargs or {}, out)
             return out
         backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
@@ -299,7 +302,7 @@ class OpCaptureMode(TorchDispatchMode):
             wanted = self._scopes[scope] = session.filter.want_scope(scope)
         if not wanted:
             out = func(*args, **(kwargs or {}))
-            if info.writes or info.collective or self.uninitialized.refs:
+            if info.writes or info.collective or self._pending:
                 self._wrote(info, args, kwargs or {}, out)
             return out
         if kwargs is None:
@@ -321,7 +324,7 @@ class OpCaptureMode(TorchDispatchMode):
         if grad:
             _set_grad_enabled(False)
         try:
-            if info.writes or info.collective or self.uninitialized.refs:
+            if info.writes or info.collective or self._pending:
                 self._wrote(info, args, kwargs, out)
             self._outputs(func, info, event, args, kwargs, out)
         except Exception as err:  # noqa: BLE001
@@ -339,12 +342,12 @@ class OpCaptureMode(TorchDispatchMode):
         # output buffers) is not an input
         skip = _overwritten(info.name, info.outs, args, kwargs) \
             if info.overwrites_self or info.collective or (info.outs and kwargs) else ()
-        uninitialized = self.uninitialized
+        uninitialized = self.uninitialized if self._pending else None
         slots = event.slots
         for i, t in enumerate(inputs):
             if id(t) in slots or id(t) in skip:
                 continue
-            if uninitialized.refs and uninitialized.holds(t):
+            if uninitialized is not None and uninitialized.holds(t):
                 if event.unread is None:
                     event.unread = set()
                 event.unread.add(id(t))  # a buffer the op fills: recorded after it, if declared

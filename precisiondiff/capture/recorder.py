@@ -178,8 +178,10 @@ class Recorder:
         # content identity -> (tensor, stats handle), the same bounded window as _seen
         self._same_content: "collections.OrderedDict[tuple, Tuple[torch.Tensor, int]]" = collections.OrderedDict()
         # (device, storage base address) -> [(identity, content identity)] of what _seen holds
-        # there, for forget(): a write through another alias (.data) bumps no version counter
+        # there, for forget(): a write through another alias (.data) bumps no version counter.
+        # Built lazily, at the first write after new records (most steps write rarely).
         self._by_base: Dict[tuple, List[tuple]] = {}
+        self._unindexed: List[tuple] = []  # identities recorded since _by_base was last built
 
     @property
     def stores_data(self) -> bool:
@@ -213,7 +215,7 @@ class Recorder:
             ident = last[2]
             # ``t.data = other`` swaps the memory under the same tensor and version counter
             if version == last[1] and (last[3] is not None or not (store and self._stores)) \
-                    and t.data_ptr() == ident[1] and t.dtype == ident[4]:
+                    and t.data_ptr() == ident[1]:
                 if ident[0].type != "cpu":
                     self._streams.note(ident[0])
                 event.tensors.append((slot, ident[4], ident[2], last[3], last[4], None))
@@ -284,10 +286,8 @@ class Recorder:
                     self._same_content[content] = (t, handle)
             if ident[5] != -1:
                 seen_map[ident] = (t, data_key, handle)
-                itemsize = t.element_size()
-                self._by_base.setdefault((device, ident[1] - t.storage_offset() * itemsize), []).append(
-                    (ident, content))
-                self._kept_bytes += numel * itemsize
+                self._unindexed.append(ident)
+                self._kept_bytes += numel * t.element_size()
                 if len(seen_map) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
                     self._evict()
         event.tensors.append((slot, ident[4], ident[2], data_key, handle, extra))
@@ -328,6 +328,8 @@ class Recorder:
         """The memory of these tensors was written: what was recorded of it (through any alias,
         any view) is no longer what a later read sees, whatever its version counter says."""
         self._last = None
+        if self._unindexed:
+            self._index()
         by_base, seen, same = self._by_base, self._seen, self._same_content
         if not by_base:
             return
@@ -343,6 +345,22 @@ class Recorder:
                 if content is not None:
                     same.pop(content, None)
 
+    def _index(self) -> None:
+        """File the identities recorded since the last write under their storage's base address."""
+        by_base, seen = self._by_base, self._seen
+        for ident in self._unindexed:
+            entry = seen.get(ident)
+            if entry is None:  # evicted already: nothing of it left to forget
+                continue
+            t = entry[0]
+            try:
+                base = ident[1] - t.storage_offset() * t.element_size()
+            except RuntimeError:
+                continue
+            content = (ident[0], ident[1], ident[2].numel(), ident[4], ident[5])
+            by_base.setdefault((ident[0], base), []).append((ident, content))
+        self._unindexed.clear()
+
     def _evict(self) -> None:
         """Forget the oldest tensors beyond the window's count or bytes (they may be freed)."""
         while self._seen and (len(self._seen) > self.dedup_window or self._kept_bytes > self.dedup_bytes):
@@ -354,6 +372,8 @@ class Recorder:
             kept = set(self._seen)
             self._by_base = {k: v for k, v in ((k, [e for e in v if e[0] in kept])
                                                for k, v in self._by_base.items()) if v}
+        if len(self._unindexed) > 4 * self.dedup_window:
+            self._unindexed = [i for i in self._unindexed if i in self._seen]
 
     def slot_of(self, event: PendingEvent, t: torch.Tensor) -> str:
         """The slot a tensor of this event was recorded under (for replay arguments)."""
@@ -427,6 +447,7 @@ class Recorder:
         self._seen.clear()
         self._same_content.clear()
         self._by_base.clear()
+        self._unindexed.clear()
         self._kept_bytes = 0
         self._data.clear()
         self._data_bytes = 0
