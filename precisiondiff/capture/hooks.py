@@ -29,6 +29,7 @@ __all__ = ["ModuleHooks", "SCOPE_TAG", "CURRENT_NODE"]
 SCOPE_TAG = "precisiondiff_scope"
 CURRENT_NODE = getattr(torch._C, "_current_autograd_node", None)
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+_is_compiling = torch.compiler.is_compiling
 _CLASS_NAMES: Dict[type, str] = {}
 
 
@@ -195,6 +196,8 @@ class ModuleHooks:
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
 
     def _global_fwd_pre(self, module: nn.Module, args: Any) -> None:
+        if _is_compiling():
+            return
         if type(module).__name__ == "OptimizedModule" and not self.errors:
             # dynamo under capture's hooks and dispatch mode would not run what it compiles
             self.capture_failed(PrecisionDiffError(
@@ -230,6 +233,10 @@ class ModuleHooks:
                 and self.filter.want_scope(self._names.get(module, "")))
 
     def _fwd_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if _is_compiling():
+            # Dynamo tracing a module call (a HOP's branch, dispatch.ignore_compile_internals):
+            # no state touched, so no side effect for it to refuse; the HOP is the recorded unit
+            return
         scope = self._names.get(module, "")
         self._stack.append(scope)
         # A forward during backward is activation checkpointing recomputing what the forward
@@ -268,6 +275,8 @@ class ModuleHooks:
         self._fwd_inputs.setdefault(id(module), []).append((event, encoded))
 
     def _fwd_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _is_compiling():
+            return
         scope = self._names.get(module, "")
         if scope in self._stack:
             del self._stack[len(self._stack) - 1 - self._stack[::-1].index(scope)]
