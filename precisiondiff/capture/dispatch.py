@@ -147,6 +147,9 @@ class OpCaptureMode(TorchDispatchMode):
                 session.capture_failed(err)
         if not info.name or session.paused or not session.recording:
             return func(*args, **(kwargs or {}))
+        updates = session._updates
+        if updates is not None and updates.stack:  # inside optimizer.step() & co (optimizer.py)
+            return updates.dispatch(self, func, info, args, kwargs or {})
         backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
         if backward:
             scope = session.current_scope(True)
