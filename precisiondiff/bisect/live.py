@@ -56,8 +56,8 @@ def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, 
     """
     from ..comparators import budget_for, parse_budget_overrides
     from ..comparators.ulp import ComparatorError
-    if direction not in (None, "forward", "backward"):
-        raise BisectError(f"--direction must be forward or backward, not {direction!r}")
+    if direction not in (None, "forward", "backward", "optimizer"):
+        raise BisectError(f"--direction must be forward, backward or optimizer, not {direction!r}")
     if budgets is None or budgets == {} or budgets == []:
         return None
     try:
