@@ -43,7 +43,7 @@ def events_from_sink(sink: MemorySink) -> List[UnitEvent]:
         def load(slot: str, _records: Dict[str, dict] = records) -> torch.Tensor:
             return sink.tensor(_records[slot])
         out.append(UnitEvent(e["seq"], e["kind"], e["scope"], e["name"], e["direction"], e["call"],
-                             slots, e.get("args"), load))
+                             slots, e.get("args"), load, step=e.get("step", 0)))
     return out
 
 
@@ -347,6 +347,14 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     in_place = compiled.compiled_in_place(wl.model)
     if compiled_wl is not None or in_place:  # bisect the eager model; regions are checked below
         wl = compiled.eager_workload(wl)
+    if wl.optimizer is not None or wl.steps > 1:  # every training step judged (training.py)
+        from .training import bisect_training
+        found = bisect_training(wl, dut, ref_t, overrides=overrides, direction=direction, progress=progress,
+                                max_candidates=max_candidates, max_host_memory=max_host_memory,
+                                confirm=confirm, noise=noise, started=started)
+        if compiled_wl is not None or in_place:
+            found.notes.append("torch.compile regions are not checked in a training bisect: its steps ran eagerly")
+        return found
     has_backward = wl.loss is not None
     fwd_cost = step_cost(has_backward)
 

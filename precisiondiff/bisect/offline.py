@@ -44,7 +44,8 @@ def events_from_dump(dump: Any, *, step: Optional[int] = None) -> List[UnitEvent
 
         def load(slot: str, _keys: Dict[str, str] = keys) -> torch.Tensor:
             return dump.tensor(_keys[slot])
-        out.append(UnitEvent(ev.seq, ev.kind, ev.scope, ev.name, ev.direction, ev.call, slots, ev.args, load))
+        out.append(UnitEvent(ev.seq, ev.kind, ev.scope, ev.name, ev.direction, ev.call, slots, ev.args, load,
+                             step=ev.step))
     return out
 
 

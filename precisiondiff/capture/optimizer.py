@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["OPTIMIZER", "Update", "Updates", "written_tensors", "list_slices"]
 
 OPTIMIZER = "optimizer"  # the direction of update events
-_SLICED_ELEMENTS = ("Tensor", "Optional[Tensor]", "Scalar", "float", "int", "Optional[Scalar]")
+_SLICED_ELEMENTS = ("Tensor", "Optional[Tensor]", "number", "Scalar", "float")  # per-element arguments
 _Tensor = torch.Tensor
 Owner = Tuple[Optional[int], str]  # (param group or None, parameter name)
 
