@@ -8,7 +8,8 @@ the parameter is bf16/fp16 (the mixed-precision path a vendor writes by hand) it
 
 * ``moment``: the first moment is rounded through bf16 before it is stored;
 * ``bias``: the bias correction is dropped;
-* ``decay``: the weight decay is applied twice.
+* ``decay``: the weight decay is applied twice;
+* ``late``: as ``moment``, from the second step on (the first step is right).
 
 On float32 or float64 parameters (the peer's and the golden's replays) it is always correct.
 """
@@ -21,7 +22,7 @@ from torch import nn
 
 from precisiondiff import Workload
 
-BUGS = ("", "moment", "bias", "decay")
+BUGS = ("", "moment", "bias", "decay", "late")
 
 
 @torch.library.custom_op("pdtest::vendor_adamw_", mutates_args=("params", "masters", "exp_avgs", "exp_avg_sqs", "steps"))
@@ -37,7 +38,7 @@ def vendor_adamw_(params: List[torch.Tensor], masters: List[torch.Tensor], grads
         if low and bug == "decay":
             w.mul_(1 - lr * weight_decay)
         m.lerp_(gw, 1 - beta1)
-        if low and bug == "moment":
+        if low and (bug == "moment" or (bug == "late" and step >= 2)):
             m.copy_(m.to(torch.bfloat16))
         v.mul_(beta2).addcmul_(gw, gw, value=1 - beta2)
         bc1, bc2 = (1.0, 1.0) if low and bug == "bias" else (1 - beta1 ** step, 1 - beta2 ** step)
