@@ -351,7 +351,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         from .training import bisect_training
         found = bisect_training(wl, dut, ref_t, overrides=overrides, direction=direction, progress=progress,
                                 max_candidates=max_candidates, max_host_memory=max_host_memory,
-                                confirm=confirm, noise=noise, started=started)
+                                confirm=confirm, noise=noise, started=started, events_of=events_from_sink)
         if compiled_wl is not None or in_place:
             found.notes.append("torch.compile regions are not checked in a training bisect: its steps ran eagerly")
         return found

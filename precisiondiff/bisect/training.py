@@ -124,9 +124,11 @@ def _trained_errors(result: Any, model: torch.nn.Module, ref_result: Any, ref_mo
 
 def bisect_training(wl: Workload, dut: Target, ref: Target, *, overrides: Any = None, direction: Optional[str] = None,
                     progress: Any = None, max_candidates: int = 3, max_host_memory: Optional[int] = None,
-                    confirm: bool = False, noise: bool = False, started: Optional[float] = None) -> BisectResult:
+                    confirm: bool = False, noise: bool = False, started: Optional[float] = None,
+                    events_of: Callable[[SpillSink], List[UnitEvent]]) -> BisectResult:
     """Live bisect of a training workload (:func:`precisiondiff.bisect.bisect` hands it over):
-    ``wl.steps`` steps captured, each step searched in turn (:func:`search_steps`)."""
+    ``wl.steps`` steps captured, each step searched in turn (:func:`search_steps`).
+    ``events_of`` turns the capture's sink into events (live bisect's ``events_from_sink``)."""
     started = time.perf_counter() if started is None else started
     model = dut.prepare_model(wl.model)
     model.train(wl.train)
@@ -143,8 +145,7 @@ def bisect_training(wl: Workload, dut: Target, ref: Target, *, overrides: Any = 
             dut.synchronize()
             cap.step()
     capture_s = time.perf_counter() - t0
-    from .live import events_from_sink
-    events = events_from_sink(sink)
+    events = events_of(sink)
     modules = dict(model.named_modules())
 
     def make_input(step_events: List[UnitEvent]) -> EngineInput:
