@@ -128,3 +128,11 @@ def vendor_bias() -> Workload:
 
 def vendor_decay() -> Workload:
     return vendor("decay")
+
+
+def scaled_adamw() -> Workload:
+    """Foreach AdamW through a GradScaler, with a StepLR schedule (float32 parameters: autocast targets)."""
+    wl = _workload(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True))
+    wl.scaler = lambda: torch.amp.GradScaler("cpu", init_scale=256.0)
+    wl.scheduler = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    return wl

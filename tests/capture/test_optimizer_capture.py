@@ -216,3 +216,15 @@ def test_training_workload_options_are_checked(kwargs, message):
     with pytest.raises(WorkloadError, match=message):
         precisiondiff.runtime.workload.load_workload(lambda: precisiondiff.Workload(nn.Linear(2, 2), torch.ones(1, 2),
                                                                                     **fields))
+
+
+def test_training_workload_with_scaler_and_scheduler(tmp_path):
+    out = tmp_path / "d"
+    capture_workload("tests/bisect/planted_optim.py:scaled_adamw", out, target="cpu/bf16+autocast")
+    ups = _updates(out)
+    for step in (0, 1):
+        names = {e["name"] for e in ups if e["step"] == step and e["scope"].startswith("grad_scaler")}
+        assert {"aten._amp_foreach_non_finite_check_and_unscale_.default", "aten._amp_update_scale_.default"} <= names
+    lrs = {e["step"]: e["optimizer"]["hyper"]["lr"] for e in ups if "hyper" in e["optimizer"]}
+    assert lrs == {0: 0.01, 1: 0.005}  # StepLR(gamma=0.5) stepped after each update
+    assert json.loads((out / "meta.json").read_text())["observer_effect"]["bitwise_equal"] is True
