@@ -123,6 +123,7 @@ class Update:
         self._owners: Dict[int, Tuple[Any, Owner]] = {}
         self._scanned = -1
         self._params: List[Tuple[Owner, torch.Tensor]] = []
+        self._by_owner: Dict[Owner, torch.Tensor] = {}
         self._groups = list(getattr(optimizer, "param_groups", []) or [])
         counts: Dict[Optional[int], int] = {}
         for group, p in params:
@@ -130,6 +131,7 @@ class Update:
             counts[group] = index + 1
             owner = (group, names.get(id(p), f"param{index}"))
             self._params.append((owner, p))
+            self._by_owner[owner] = p
             self._own(p, owner)
             if p.grad is not None:
                 self._own(p.grad, owner)
@@ -174,6 +176,18 @@ class Update:
             found, _ = self._lookup(tensors)
         return found
 
+    def _step_of(self, owner: Owner) -> Optional[float]:
+        """The parameter's step counter as the op begins, when reading it costs no device sync
+        (a number, or a tensor on the CPU)."""
+        state = getattr(self.optimizer, "state", None)
+        param = self._by_owner.get(owner)
+        if not state or param is None:
+            return None
+        step = (state.get(param) or {}).get("step")
+        if type(step) is _Tensor and step.device.type == "cpu" and step.numel() == 1:
+            return float(step)
+        return float(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
     def adopt(self, tensors: Sequence[torch.Tensor], owner: Optional[Owner]) -> None:
         """Outputs of an op of one parameter belong to it (``denom`` of that parameter's step)."""
         if owner is not None:
@@ -199,6 +213,9 @@ class Update:
                 info["group"] = owner[0]
                 if owner[0] < len(self._groups):
                     info["hyper"] = _hyper(self._groups[owner[0]])
+                step = self._step_of(owner)
+                if step is not None:
+                    info["step"] = step
         if index is not None:
             info["slice"] = [index, n]
         return info

@@ -84,6 +84,7 @@ def test_fused_adamw_one_event_per_parameter_with_state_before_and_after(tmp_pat
         assert e["args"]["kwargs"]["dict"]["lr"] == 0.05 and e["args"]["replayable"]
         assert e["optimizer"]["hyper"]["lr"] == 0.05 and e["optimizer"]["hyper"]["betas"] == [0.9, 0.999]
         assert e["optimizer"]["class"] == "AdamW" and e["optimizer"]["slice"][1] == 4
+        assert e["optimizer"]["step"] == 2.0  # the counter, incremented by the _foreach_add_ before
         assert all(len(a) == 1 for a in e["args"]["args"] if isinstance(a, list) and a)
 
 
