@@ -251,6 +251,7 @@ class Updates:
         update = self.stack[-1]
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
+        pending: Optional[list] = None
         try:
             calls = list_slices(func, info.name, args, kwargs)
             n = len(calls) if calls is not None else None
@@ -258,10 +259,11 @@ class Updates:
                        for i, (a, k) in enumerate(calls if calls is not None else [(args, kwargs)])]
         except Exception as err:  # noqa: BLE001 - capture's own error
             session.capture_failed(err)
-            return func(*args, **kwargs)
         finally:
             torch._C._set_grad_enabled(grad)
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs)  # with the workload's own grad mode, exactly once
+        if pending is None:
+            return out
         torch._C._set_grad_enabled(False)
         try:
             returned = list(out) if n is not None and isinstance(out, (list, tuple)) and len(out) == n else None

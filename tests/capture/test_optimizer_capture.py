@@ -133,7 +133,8 @@ def test_clip_grad_norm_and_grad_scaler(tmp_path):
     assert float(grad.norm()) > 100 * float(out.norm())
 
 
-def test_capture_leaves_the_training_bitwise_unchanged(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["list_slices", "written_tensors"])  # before the op runs, after it
+def test_capture_leaves_the_training_bitwise_unchanged(tmp_path, monkeypatch, where):
     def run(capture_dir=None, broken=False):
         torch.manual_seed(0)
         model = Mlp()
@@ -151,7 +152,7 @@ def test_capture_leaves_the_training_bitwise_unchanged(tmp_path, monkeypatch):
 
     def fail(*args, **kwargs):
         raise RuntimeError("planted capture failure")
-    monkeypatch.setattr(optim_capture, "written_tensors", fail)
+    monkeypatch.setattr(optim_capture, where, fail)
     with pytest.warns(CaptureWarning):
         broken = run(tmp_path / "broken", broken=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, broken))
