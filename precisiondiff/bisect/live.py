@@ -299,7 +299,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     and isolates every op and module call on the reference with the DUT's own inputs and
     parameters. The reference runs the whole workload only when the verdict needs its final
     error (no culprit) or ``confirm`` asks; ``confirm`` also reruns the DUT with the culprit's
-    output replaced by its golden (substitution).
+    output replaced by its golden (substitution). A training workload (``optimizer=``, or
+    ``steps`` > 1) runs its steps and is searched step by step, its optimizer updates included
+    (:func:`precisiondiff.bisect.training.bisect_training`; docs/bisect.md, "Training steps").
 
     Args:
         workload: ``file.py:fn``, ``package.module:fn``, a factory, or a :class:`Workload`.

@@ -136,3 +136,7 @@ def scaled_adamw() -> Workload:
     wl.scaler = lambda: torch.amp.GradScaler("cpu", init_scale=256.0)
     wl.scheduler = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     return wl
+
+
+def vendor_late() -> Workload:
+    return vendor("late")
