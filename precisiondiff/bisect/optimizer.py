@@ -9,7 +9,9 @@ from its arguments) upcast to the reference dtype and takes the same written ten
 golden. Its peer is a correct implementation in the DUT's state dtypes: the op run in float32 on
 the same state and each written tensor rounded once to its dtype (a float32 master weight stays
 float32, a bf16 moment is rounded once to bf16). Bisect judges the outputs by the peer rule, each
-in its own dtype (the state's precision, not the gradient's), as it judges any op.
+in its own dtype (the state's precision, not the gradient's), as it judges any op. An op that
+takes its one-element scalars in float32 only (GradScaler's ``_amp_*`` ops: scale, inverse scale,
+found_inf) is replayed with those kept in their recorded dtype.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch
 from ..capture.optimizer import OPTIMIZER, written_tensors
 from ..capture.serialize import decode_args
 from ..comparators.peers import peer_dtype
-from .isolate import OpReplay, Unreplayable, UnitEvent, _call, _dtype_map, _loader, _upcaster, resolve_op
+from .isolate import (OpReplay, Unreplayable, UnitEvent, _call, _dtype_map, _keep_dtype, _loader, _upcaster,
+                      resolve_op)
 from .references import reference_for
 
 __all__ = ["is_update", "replay_update"]
@@ -45,8 +48,20 @@ def replay_update(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: 
     fn = reference_for(ev.name) or func
     enc_args, enc_kwargs = ev.args.get("args", []), ev.args.get("kwargs", {})
 
+    def convert(to: torch.dtype, keep_scalars: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        up, keep = _upcaster(device, to), _keep_dtype(device)
+        return lambda t: keep(t) if keep_scalars and t.numel() <= 1 and t.is_floating_point() else up(t)
+
     def run(to: torch.dtype) -> List[torch.Tensor]:
-        tensor_of = _loader(ev, _upcaster(device, to))
+        try:
+            return run_as(to, False)
+        except Unreplayable:
+            # GradScaler's ops take their scale, inverse scale and found_inf as float32 tensors
+            # only: those one-element scalars stay in their recorded dtype, the rest is upcast
+            return run_as(to, True)
+
+    def run_as(to: torch.dtype, keep_scalars: bool) -> List[torch.Tensor]:
+        tensor_of = _loader(ev, convert(to, keep_scalars))
         try:
             args = decode_args(enc_args, tensor_of, device=device, dtype_map=_dtype_map(to))
             kwargs = decode_args(enc_kwargs, tensor_of, device=device, dtype_map=_dtype_map(to))

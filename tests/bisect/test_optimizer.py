@@ -75,3 +75,10 @@ def test_training_workload_needs_a_loss():
     with pytest.raises(precisiondiff.errors.WorkloadError, match="needs a loss"):
         precisiondiff.bisect(lambda: precisiondiff.Workload(torch.nn.Linear(2, 2), torch.randn(1, 2),
                                                             optimizer=torch.optim.SGD), target="cpu/bf16")
+
+
+def test_grad_scaler_ops_are_judged_too():
+    r = precisiondiff.bisect(P.scaled_adamw, target="cpu/bf16+autocast")
+    assert not r.unreplayable  # _amp_* ops replay with their float32 scalars kept
+    assert not _optimizer_units(r)
+    assert [s["step"] for s in r.steps] == [0, 1]
