@@ -192,7 +192,8 @@ class Update:
         """Outputs of an op of one parameter belong to it (``denom`` of that parameter's step)."""
         if owner is not None:
             for t in tensors:
-                if id(t) not in self._owners:
+                entry = self._owners.get(id(t))
+                if entry is None or entry[0]() is not t:  # new, or an id a freed tensor had
                     self._own(t, owner)
 
     def scope(self, owner: Optional[Owner]) -> str:
