@@ -39,10 +39,28 @@ _Tensor = torch.Tensor
 Owner = Tuple[Optional[int], str]  # (param group or None, parameter name)
 
 
-def _arg_values(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Tuple[Any, Any, bool]]:
-    """``(schema argument, value, positional)`` for every argument given to the op."""
+class _Arg:
+    """What the slicing needs to know of one schema argument, worked out once per op."""
+
+    __slots__ = ("name", "kwarg_only", "writes", "listed")
+
+    def __init__(self, a: Any) -> None:
+        self.name, self.kwarg_only = a.name, a.kwarg_only
+        self.writes = a.alias_info is not None and a.alias_info.is_write
+        # a list of per-element arguments (tensors, scalars): cut to one element per slice
+        self.listed = isinstance(a.type, torch.ListType) and str(a.type.getElementType()) in _SLICED_ELEMENTS
+
+
+_SCHEMAS: Dict[Any, List[_Arg]] = {}
+
+
+def _arg_values(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Tuple[_Arg, Any, bool]]:
+    """``(argument, value, positional)`` for every argument given to the op."""
+    schema = _SCHEMAS.get(func)
+    if schema is None:
+        schema = _SCHEMAS[func] = [_Arg(a) for a in func._schema.arguments]
     found = []
-    for j, a in enumerate(func._schema.arguments):
+    for j, a in enumerate(schema):
         if j < len(args) and not a.kwarg_only:
             found.append((a, args[j], True))
         elif a.name in kwargs:
@@ -56,14 +74,13 @@ def written_tensors(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out:
     ``output.N``, and what its replay compares."""
     found: List[torch.Tensor] = []
     for a, value, _ in _arg_values(func, args, kwargs):
-        if a.alias_info is not None and a.alias_info.is_write:
+        if a.writes:
             found.extend(flatten_tensors(value))
     return found if found else flatten_tensors(out)
 
 
-def _is_list(a: Any, value: Any) -> bool:
-    return (isinstance(a.type, torch.ListType) and isinstance(value, (list, tuple))
-            and str(a.type.getElementType()) in _SLICED_ELEMENTS)
+def _is_list(a: _Arg, value: Any) -> bool:
+    return a.listed and isinstance(value, (list, tuple))
 
 
 def list_slices(func: Any, name: str, args: Sequence[Any],
@@ -72,21 +89,21 @@ def list_slices(func: Any, name: str, args: Sequence[Any],
     an op that writes a list of tensors); None for any other op (``stack`` takes a list but each
     output depends on all of it). List arguments of the op's length are cut to one element."""
     values = _arg_values(func, args, kwargs)
-    writes_list = any(a.alias_info is not None and a.alias_info.is_write and _is_list(a, v) for a, v, _ in values)
+    writes_list = any(a.writes and _is_list(a, v) for a, v, _ in values)
     if "_foreach_" not in name and not writes_list:
         return None
     n = next((len(v) for a, v, _ in values if _is_list(a, v) and v and isinstance(v[0], _Tensor)), 0)
     if not n:
         return None
+    cut = [(j, a, v, positional) for j, (a, v, positional) in enumerate(values) if _is_list(a, v) and len(v) == n]
     out = []
     for i in range(n):
         s_args, s_kwargs = list(args), dict(kwargs)
-        for j, (a, v, positional) in enumerate(values):
-            if _is_list(a, v) and len(v) == n:
-                if positional:
-                    s_args[j] = [v[i]]
-                else:
-                    s_kwargs[a.name] = [v[i]]
+        for j, a, v, positional in cut:  # positional arguments come first: j is their position
+            if positional:
+                s_args[j] = [v[i]]
+            else:
+                s_kwargs[a.name] = [v[i]]
         out.append((tuple(s_args), s_kwargs))
     return out
 
@@ -124,7 +141,8 @@ class Update:
         self._scanned = -1
         self._params: List[Tuple[Owner, torch.Tensor]] = []
         self._by_owner: Dict[Owner, torch.Tensor] = {}
-        self._groups = list(getattr(optimizer, "param_groups", []) or [])
+        # the groups' hyperparameters as this update began (a scheduler changes them between steps)
+        self._hypers = [_hyper(g) for g in getattr(optimizer, "param_groups", []) or []]
         counts: Dict[Optional[int], int] = {}
         for group, p in params:
             index = counts.get(group, 0)
@@ -212,8 +230,8 @@ class Update:
             info["param"] = owner[1]
             if owner[0] is not None:
                 info["group"] = owner[0]
-                if owner[0] < len(self._groups):
-                    info["hyper"] = _hyper(self._groups[owner[0]])
+                if owner[0] < len(self._hypers):
+                    info["hyper"] = self._hypers[owner[0]]
                 step = self._step_of(owner)
                 if step is not None:
                     info["step"] = step
