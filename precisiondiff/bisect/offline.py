@@ -149,6 +149,9 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         every = prepare(every)
     events = [e for e in every if e.step == every[0].step] if every else every
     notes: List[str] = []
+    if not meta.get("arg_layouts"):
+        notes.append("the dump records no argument layouts (captured before they were recorded): ops replay "
+                     "on contiguous copies, so a kernel with a layout-dependent path may round differently")
     modules: Dict[str, torch.nn.Module] = {}
     wl = None
     if workload is not None:

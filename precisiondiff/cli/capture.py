@@ -20,7 +20,9 @@ __all__ = ["capture", "refuse_workload_with_script"]
 @click.option("--train", is_flag=True, help="keep training mode (dropout active); default: eval mode")
 @click.option("--repeat", type=int, default=1, show_default=True,
               help="capture N times into OUT/run0..run{N-1} to measure run-to-run determinism")
-@click.option("--overwrite", is_flag=True, help="replace an existing dump in OUT")
+@click.option("--overwrite", is_flag=True,
+              help="replace an existing dump in OUT once the capture succeeded (under torchrun: once, "
+                   "by one process, after every rank finished)")
 @click.option("--max-host-memory", "max_host_memory", default="2GiB", show_default=True, metavar="SIZE",
               help="host memory for tensor copies waiting to be written (tensors/replay modes), e.g. 512MiB")
 @click.option("--gather-full", "gather_full", is_flag=True,
