@@ -100,5 +100,5 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
 
 def _before(a: UnitEvent, b: UnitEvent) -> bool:
     order = {"forward": 0, "backward": 1}
-    return (order.get(a.direction, 2), a.seq) < (order.get(b.direction, 2), b.seq)
+    return (a.step, order.get(a.direction, 2), a.seq) < (b.step, order.get(b.direction, 2), b.seq)
 

@@ -17,6 +17,7 @@ from . import _compat
 from . import judge as J
 from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
                       replay_module_forward, replay_module_step, replay_op, resolve_op)
+from .optimizer import is_update, replay_update
 from .references import reference_for
 from .reuse import ReplayedOps, RoundedOps
 from .search import Finding, Judgement, Search, Unit
@@ -248,23 +249,27 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int],
     # passes with it, so it is replayed only for an op that does not (one replay saved per
     # matmul-like op). A budget override can accept on the ULP budget, which the magnitude
     # also widens: then it is computed up front, as the override path needs it.
-    has_magnitude = magnitude_op(ev.name)
+    # an optimizer update's outputs are its written state, judged in the state's own dtype
+    # (bisect/optimizer.py): no magnitude, and the inputs' dtypes do not widen the bound
+    update = is_update(ev)
+    has_magnitude = magnitude_op(ev.name) and not update
     eager = has_magnitude and _overrides_apply(ev, inp)
     try:
-        rep = replay_op(ev, device=inp.ref_device, dtype=inp.ref_dtype, magnitude=eager)
+        rep = (replay_update if update else replay_op)(ev, device=inp.ref_device, dtype=inp.ref_dtype,
+                                                       magnitude=eager)
     except Unreplayable as err:
         log.info("not replayable: %s", err)
         return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
     _count(counter, "op_golden", 1)
     if rep.magnitudes is not None:
         _count(counter, "op_magnitude", 1)
-    in_dtypes = [getattr(torch, info[0]) for slot, info in ev.slots.items()
-                 if slot.startswith("input.") and isinstance(getattr(torch, info[0], None), torch.dtype)
-                 and getattr(torch, info[0]).is_floating_point]
+    in_dtypes = [] if update else [getattr(torch, info[0]) for slot, info in ev.slots.items()
+                                   if slot.startswith("input.") and isinstance(getattr(torch, info[0], None), torch.dtype)
+                                   and getattr(torch, info[0]).is_floating_point]
     outputs = _op_outputs(ev, rep, in_dtypes)
     if isinstance(outputs, dict):
         return Judgement(replayable=False), outputs
-    if rounded is not None and reference_for(ev.name) is None:
+    if rounded is not None and reference_for(ev.name) is None and not update:
         rounded.add(ev, rep.golden, resolve_op(ev.name))
     if not outputs:
         return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}

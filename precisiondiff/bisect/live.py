@@ -43,7 +43,7 @@ def events_from_sink(sink: MemorySink) -> List[UnitEvent]:
         def load(slot: str, _records: Dict[str, dict] = records) -> torch.Tensor:
             return sink.tensor(_records[slot])
         out.append(UnitEvent(e["seq"], e["kind"], e["scope"], e["name"], e["direction"], e["call"],
-                             slots, e.get("args"), load))
+                             slots, e.get("args"), load, step=e.get("step", 0)))
     return out
 
 
@@ -56,8 +56,8 @@ def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, 
     """
     from ..comparators import budget_for, parse_budget_overrides
     from ..comparators.ulp import ComparatorError
-    if direction not in (None, "forward", "backward"):
-        raise BisectError(f"--direction must be forward or backward, not {direction!r}")
+    if direction not in (None, "forward", "backward", "optimizer"):
+        raise BisectError(f"--direction must be forward, backward or optimizer, not {direction!r}")
     if budgets is None or budgets == {} or budgets == []:
         return None
     try:
@@ -299,7 +299,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     and isolates every op and module call on the reference with the DUT's own inputs and
     parameters. The reference runs the whole workload only when the verdict needs its final
     error (no culprit) or ``confirm`` asks; ``confirm`` also reruns the DUT with the culprit's
-    output replaced by its golden (substitution).
+    output replaced by its golden (substitution). A training workload (``optimizer=``, or
+    ``steps`` > 1) runs its steps and is searched step by step, its optimizer updates included
+    (:func:`precisiondiff.bisect.training.bisect_training`; docs/bisect.md, "Training steps").
 
     Args:
         workload: ``file.py:fn``, ``package.module:fn``, a factory, or a :class:`Workload`.
@@ -347,6 +349,14 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     in_place = compiled.compiled_in_place(wl.model)
     if compiled_wl is not None or in_place:  # bisect the eager model; regions are checked below
         wl = compiled.eager_workload(wl)
+    if wl.optimizer is not None or wl.steps > 1:  # every training step judged (training.py)
+        from .training import bisect_training
+        found = bisect_training(wl, dut, ref_t, overrides=overrides, direction=direction, progress=progress,
+                                max_candidates=max_candidates, max_host_memory=max_host_memory,
+                                confirm=confirm, noise=noise, started=started, events_of=events_from_sink)
+        if compiled_wl is not None or in_place:
+            found.notes.append("torch.compile regions are not checked in a training bisect: its steps ran eagerly")
+        return found
     has_backward = wl.loss is not None
     fwd_cost = step_cost(has_backward)
 

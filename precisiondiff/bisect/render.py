@@ -18,7 +18,8 @@ def summary_lines(r: BisectResult) -> List[str]:
     c = r.culprit
     if c:
         where = c["scope"] or "<root>"
-        lines.append(f"culprit: {c['kind']} {c['name']} in {where} ({c['direction']}, call {c['call']})")
+        step = f", step {c['step']}" if "step" in c else ""
+        lines.append(f"culprit: {c['kind']} {c['name']} in {where} ({c['direction']}, call {c['call']}{step})")
         loc, bud = c.get("local", {}), c.get("budget", {})
         if c["kind"] == "compiled_region":
             lines.extend(_region_lines(c))

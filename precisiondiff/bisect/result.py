@@ -46,6 +46,9 @@ class BisectResult:
         noise: with ``noise=True`` (live bisect, ``--noise``): ``{"nondeterministic_ops": N,
             "within_noise": [...], ...}`` (docs/bisect.md, "Run-to-run noise"); None otherwise
             (and absent from the JSON).
+        steps: for a bisect over several training steps: one ``{"step", "units_isolated",
+            "culprit"}`` per step searched, in order (docs/bisect.md, "Training steps"); None
+            otherwise (and absent from the JSON).
 
     Example:
         >>> BisectResult("parity", "cpu/bf16", "cpu/float64").to_json()["verdict"]
@@ -68,6 +71,7 @@ class BisectResult:
     notes: List[str] = field(default_factory=list)
     compiled: Optional[Dict[str, Any]] = None
     noise: Optional[Dict[str, Any]] = None
+    steps: Optional[List[Dict[str, Any]]] = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -90,6 +94,8 @@ class BisectResult:
             out["compiled"] = self.compiled
         if self.noise is not None:
             out["noise"] = self.noise
+        if self.steps is not None:
+            out["steps"] = self.steps
         return _clean(out)
 
     def to_pandas(self) -> Any:

@@ -291,6 +291,15 @@ class OpCaptureMode(TorchDispatchMode):
             elif info.writes or info.collective or (self._pending and not info.is_view):
                 self._wrote(info, args, kwargs or {}, out)
             return out
+        updates = session._updates
+        if updates is not None and updates.stack:  # inside optimizer.step() & co (optimizer.py)
+            out = updates.dispatch(self, func, info, args, kwargs or {})
+            if info.writes or info.collective or self._pending:
+                try:  # what the update wrote is not what capture recorded of that memory before
+                    self._wrote(info, args, kwargs or {}, out)
+                except Exception as err:  # noqa: BLE001
+                    session.capture_failed(err)
+            return out
         backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
         if backward:
             scope = session.current_scope(True)

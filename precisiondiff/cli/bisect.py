@@ -41,7 +41,7 @@ def _progress():
 @click.argument("ref_dump", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
 @click_options(TARGET, REF)
-@click.option("--direction", type=click.Choice(["forward", "backward"]), default=None)
+@click.option("--direction", type=click.Choice(["forward", "backward", "optimizer"]), default=None)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click_options(SEED)
