@@ -221,7 +221,7 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
     m_bound = factor * m_peer + MAX_FLOOR
     l2_ok = e_dut <= bound
     max_ok = m_dut <= m_bound
-    stats = judge_statistics(d, g, rounded, ps, dtype, significance=SIGNIFICANCE)
+    stats = judge_statistics(d, g, rounded, ps, dtype, significance=SIGNIFICANCE, scale=scale)
     passed = n_special == 0 and l2_ok and max_ok and stats.passed
     rel = (lambda e: e / gnorm) if gnorm > 0 else (lambda e: 0.0 if e == 0 else math.inf)
     ratio = max(e_dut / bound if bound > 0 else (0.0 if e_dut == 0 else math.inf), m_dut / m_bound)

@@ -404,7 +404,9 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
                                      {n: (p[index] if index < len(p) else None) for n, p in peers.items()},
                                      magnitude=mag, k=k, dtype=cdt, what=key)
         shown = {"rule": "peer", "factor": pv.factor, "bound_rel_l2": pv.bound, "peer_rel_l2": pv.peer_error,
-                 "max_error": pv.max_error, "peer_max_error": pv.peer_max_error}
+                 "max_error": pv.max_error, "peer_max_error": pv.peer_max_error, "stats": pv.stats}
+        if pv.notes:
+            shown["notes"] = list(pv.notes)
         if k is not None:
             shown["k"] = k
         result.checks.append(TensorCheck(key, pv.passed, _metrics(out, exp), shown, pv.message))
