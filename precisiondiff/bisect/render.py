@@ -80,7 +80,7 @@ def summary_lines(r: BisectResult) -> List[str]:
                         + (" ..." if len(within) > 3 else "") if within else ""))
     for a in r.accepted:
         lines.append(f"accepted: {a['kind']} {a['name']} in {a['scope'] or '<root>'} ({a['direction']}, call "
-                     f"{a['call']})" + (f"; {a['known']}" if a.get("known") else ""))
+                     f"{a['call']})" + (f" [{a['known'].split(' (')[0]}]" if a.get("known") else ""))
     for n in r.notes:
         lines.append(f"note: {n}")
     cost = r.cost
