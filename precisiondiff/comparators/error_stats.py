@@ -200,7 +200,7 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
         zscore = float(diff.mean()) / se
         figures["rmse_z"] = zscore
         if zscore > RMSE_Z:
-            failures.append(f"RMSE {s_d.rmse:.3g} ULP is {ratio:.3g}x the emulated peers' ({p_rmse:.3g}), "
+            failures.append(f"RMSE {s_d.rmse:.3g} ULP is {ratio:.3g}x the emulated peers' or one rounding's ({p_rmse:.3g}), "
                             f"{zscore:.3g} standard errors over N_eff {effective()}")
     # tail beyond the peers' worst, in the max rule's unit: a sum may round partial results as
     # large as its magnitude (a scatter-add), which the ULP of a cancelled element does not show
