@@ -23,23 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench_plants import errors  # noqa: E402  (this directory is on sys.path when run as a script)
 from precisiondiff.testing.parity import check_op  # noqa: E402
 
 #: Ops left out: their output is uninitialised memory (``empty``, ``empty_like``, ...).
 SKIPPED_PREFIXES = ("empty", "new_empty")
-
-
-def _errors(out: torch.Tensor, golden: torch.Tensor):
-    """(rel-L2, max error in ULP of the element) of ``out`` against ``golden``, finite elements."""
-    from precisiondiff.comparators.peers import element_scale
-    d, g = out.detach().double().flatten(), golden.detach().double().flatten()
-    ok = torch.isfinite(d) & torch.isfinite(g)
-    d, g = d[ok], g[ok]
-    if not d.numel():
-        return 0.0, 0.0
-    gn = float(g.norm())
-    rel = float((d - g).norm()) / gn if gn else float((d - g).norm())
-    return rel, float(((d - g).abs() / element_scale(g, torch.bfloat16)).max())
 
 
 def _cast(value, dtype):
@@ -63,8 +51,8 @@ def confirm(fn, sample) -> dict:
     for d, f, g in zip(dut, f32, g64):
         if d.layout != torch.strided or d.shape != g.shape:
             continue
-        rd, md = _errors(d, g)
-        rf, mf = _errors(f.to(d.dtype), g)
+        rd, md = errors(d, g)
+        rf, mf = errors(f.to(d.dtype), g)
         figures.append((rd, rf, md, mf))
         nan = int((torch.isnan(d) & ~torch.isnan(f.to(d.dtype))).sum())
         beyond |= rd >= 2 * rf and rd > 0 or md >= 4 * max(mf, 0.5) or nan > 0

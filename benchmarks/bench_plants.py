@@ -293,8 +293,9 @@ def plant_custom_op(op: str, plant: str) -> Callable[..., torch.Tensor]:
     return _REGISTERED[name]
 
 
-def _errors(out: torch.Tensor, golden: torch.Tensor):
-    """(rel-L2, max error in ULP of the element) of ``out`` against ``golden``."""
+def errors(out: torch.Tensor, golden: torch.Tensor):
+    """(rel-L2, max error in ULP of the element) of ``out`` against ``golden``, finite elements
+    (also used by bench_op_sweep.py)."""
     d, g = out.double().flatten(), golden.double().flatten()
     ok = torch.isfinite(d) & torch.isfinite(g)
     d, g = d[ok], g[ok]
@@ -316,8 +317,8 @@ def run(ops, plants, seeds: int):
                 inputs = [m(g) for m in makers]
                 lows = [x.to(torch.bfloat16) for x in inputs]
                 golden = plant_fn(op, "none")(*[x.double() for x in lows])
-                rel_ok, max_ok = _errors(plant_fn(op, "none")(*lows), golden)
-                rel_p, max_p = _errors(plant_fn(op, plant)(*lows), golden)
+                rel_ok, max_ok = errors(plant_fn(op, "none")(*lows), golden)
+                rel_p, max_p = errors(plant_fn(op, plant)(*lows), golden)
                 eligible = plant != "none" and (rel_p >= 2 * rel_ok or max_p >= 4 * max(max_ok, 0.5))
                 for form, fn in (("function", plant_fn(op, plant)), ("custom_op", plant_custom_op(op, plant))):
                     start = time.perf_counter()
