@@ -59,6 +59,8 @@ class EngineInput:
             judged within noise, not over. None: no second run.
         judge_after_culprit: also isolate the modules that run after the first offending op
             (further module candidates; they cannot change the culprit).
+        accept: findings the user has read (:class:`~precisiondiff.bisect.findings.Accept`): an
+            offending op they match is recorded as ``accepted`` and does not offend.
     """
 
     events: List[UnitEvent]
@@ -75,6 +77,7 @@ class EngineInput:
     noise: Optional[Dict[Tuple[str, str, str, int], float]] = None
     random_outputs: Optional[Callable[[UnitEvent], List[List[torch.Tensor]]]] = None
     judge_after_culprit: bool = False
+    accept: Sequence[Any] = ()
 
 
 @dataclass
@@ -190,12 +193,19 @@ def run_search(inp: EngineInput) -> EngineOutput:
     holding: Dict[int, List[int]] = {}
     total = len(units)
     done = 0
+    explained: set = set()  # modules around an accepted op
     while (uid := search.next_query()) is not None:
         ev = by_seq[uid]
         if inp.progress is not None:
             inp.progress(done, total, f"{ev.direction} {ev.scope or '<root>'} {ev.name}")
         if ev.kind == "op":
             judgement, detail = _judge_op(ev, inp, counter, rounded)
+            if judgement.over and any(a.matches(ev.name, ev.scope) for a in inp.accept):
+                judgement, detail = Judgement(replayable=True, over=False), dict(detail, accepted=True)
+                up = parents[uid]
+                while up is not None:  # the modules around it: their error includes the accepted op's
+                    explained.add(up)
+                    up = parents[up]
             if not judgement.replayable:
                 if ev.name not in unreplayable:
                     unreplayable.append(ev.name)
@@ -208,6 +218,8 @@ def run_search(inp: EngineInput) -> EngineOutput:
                                               shared=shared, rounded=rounded)
             if not judgement.replayable and held and parents[uid] is not None:
                 holding.setdefault(parents[uid], []).extend(holding.pop(uid))
+            if uid in explained and judgement.over:
+                judgement, detail = Judgement(replayable=True, over=False), dict(detail, accepted_inside=True)
             if held and judgement.replayable:
                 detail["holds_unreplayable"] = [{"scope": h.scope, "name": h.name, "call": h.call,
                                                  "reason": details.get(h.seq, {}).get("reason", "")}

@@ -5,7 +5,7 @@ import contextlib
 import logging
 import re
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,6 +18,7 @@ from .assemble import assemble
 from ..store.schema import tensor_key
 from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_search
 from .evidence import input_evidence, param_grads_of
+from .findings import resolve_accepts
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .result import BisectResult
 from .cost import cost_figures, step_cost
@@ -292,7 +293,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            ref: "str | Target" = "cpu/float64", direction: Optional[str] = None,
            budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
            max_candidates: int = 3, noise: bool = False, confirm: bool = False,
-           time_step: bool = False, max_host_memory: Optional[int] = None) -> BisectResult:
+           time_step: bool = False, max_host_memory: Optional[int] = None,
+           accept: Optional[Sequence[str]] = None) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -324,6 +326,10 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         max_host_memory: bytes of the captured step's tensors held in memory (default 2 GiB);
             the rest is spilled to a temporary directory and read back when a unit needs it
             (``cost.host_memory``; docs/bisect.md, "Host memory").
+        accept: findings read and accepted, ``["OP", "OP@SCOPE", ...]``: such an offending op is
+            listed in ``accepted`` and the search goes on to the next culprit; the project's
+            ``[tool.precisiondiff] accept`` (pyproject.toml or precisiondiff.toml) is added
+            (:mod:`precisiondiff.bisect.findings`).
 
     Returns:
         A :class:`BisectResult`.
@@ -337,6 +343,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         'pdexample.fused_rms_norm.default'
     """
     overrides = check_options(direction, budgets)
+    accepts = resolve_accepts(accept)
     started = time.perf_counter()
     dut = Target.parse(target) if target is not None else default_dut()
     ref_t = Target.parse(ref)
@@ -353,7 +360,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         from .training import bisect_training
         found = bisect_training(wl, dut, ref_t, overrides=overrides, direction=direction, progress=progress,
                                 max_candidates=max_candidates, max_host_memory=max_host_memory,
-                                confirm=confirm, noise=noise, started=started, events_of=events_from_sink)
+                                confirm=confirm, noise=noise, started=started, events_of=events_from_sink,
+                                accept=accepts)
         if compiled_wl is not None or in_place:
             found.notes.append("torch.compile regions are not checked in a training bisect: its steps ran eagerly")
         return found
@@ -394,7 +402,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
         module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction,
-        max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor))
+        max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor,
+        accept=accepts))
     search_s = time.perf_counter() - t1
 
     # The reference run only when something needs it: the verdict (parity or accumulated: no

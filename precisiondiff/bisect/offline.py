@@ -12,7 +12,7 @@ import os
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from ..runtime.targets import Target
 from .assemble import assemble
 from .engine import EngineInput
 from .evidence import finals_of, input_evidence, param_grads_of
+from .findings import resolve_accepts
 from .isolate import UnitEvent
 from .result import BisectResult
 from .substitute import final_errors
@@ -102,7 +103,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 workload: "str | Callable[[], Any] | None" = None, direction: Optional[str] = None,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
                 max_candidates: int = 3,
-                prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None) -> BisectResult:
+                prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None,
+                accept: Optional[Sequence[str]] = None) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -118,6 +120,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         max_candidates: offending units to report after the culprit.
         prepare: maps the dump's events to those searched (multi-rank bisect leaves collectives
             out and adapts DTensor op calls: :mod:`precisiondiff.bisect.ranks`).
+        accept: accepted findings ``["OP[@SCOPE]", ...]`` (see :func:`precisiondiff.bisect.bisect`).
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -133,6 +136,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     from .cost import cost_figures, step_cost
     from .live import check_options, run_reference
     overrides = check_options(direction, budgets)
+    accepts = resolve_accepts(accept)
     started = time.perf_counter()
     dump = _open(dut_dump, "DUT_DUMP")
     meta = dump.meta
@@ -182,7 +186,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         module_of=modules.get if modules else None,
         module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(step_events), direction=direction, max_candidates=max_candidates,
-        progress=progress, overrides=overrides))
+        progress=progress, overrides=overrides, accept=accepts))
     if ref_dump is None and wl is not None:  # after the search: only the culprit's scope is kept
         culprit_ev = out.units[out.finding.culprit] if out.finding.culprit is not None else None
         ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events, evidence_for=culprit_ev)

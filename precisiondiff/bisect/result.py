@@ -35,6 +35,10 @@ class BisectResult:
             see docs/bisect.md), ``reduction`` (the fraction of the final error removed).
         cost: ``dut_runs``, ``ref_runs``, ``forward_equivalents``, plus wall-time figures.
         candidates: further offending units after the culprit, in execution order.
+        culprits: every offending unit found, in execution order, the culprit first (``[culprit]
+            + candidates``), each with its figures and, for a documented stock finding, ``known``.
+        accepted: offending ops the user accepted (``accept=``, ``--accept OP[@SCOPE]``, the
+            project's ``[tool.precisiondiff] accept``), in execution order: judged, not culprits.
         evidence: why the culprit's inputs can be trusted (units before it that passed).
         growth: for ``accumulated``: modules with the largest local error, largest first.
         unreplayable: op names that could not be replayed on the reference.
@@ -72,6 +76,8 @@ class BisectResult:
     compiled: Optional[Dict[str, Any]] = None
     noise: Optional[Dict[str, Any]] = None
     steps: Optional[List[Dict[str, Any]]] = None
+    culprits: List[Dict[str, Any]] = field(default_factory=list)
+    accepted: List[Dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -90,6 +96,8 @@ class BisectResult:
                "growth": self.growth, "unreplayable": self.unreplayable,
                "final_error": self.final_error, "parity_bound": self.parity_bound,
                "notes": self.notes}
+        out["culprits"] = self.culprits
+        out["accepted"] = self.accepted
         if self.compiled is not None:
             out["compiled"] = self.compiled
         if self.noise is not None:

@@ -125,7 +125,8 @@ def _trained_errors(result: Any, model: torch.nn.Module, ref_result: Any, ref_mo
 def bisect_training(wl: Workload, dut: Target, ref: Target, *, overrides: Any = None, direction: Optional[str] = None,
                     progress: Any = None, max_candidates: int = 3, max_host_memory: Optional[int] = None,
                     confirm: bool = False, noise: bool = False, started: Optional[float] = None,
-                    events_of: Callable[[SpillSink], List[UnitEvent]]) -> BisectResult:
+                    events_of: Callable[[SpillSink], List[UnitEvent]],
+                    accept: Optional[List[Any]] = None) -> BisectResult:
     """Live bisect of a training workload (:func:`precisiondiff.bisect.bisect` hands it over):
     ``wl.steps`` steps captured, each step searched in turn (:func:`search_steps`).
     ``events_of`` turns the capture's sink into events (live bisect's ``events_from_sink``)."""
@@ -153,7 +154,8 @@ def bisect_training(wl: Workload, dut: Target, ref: Target, *, overrides: Any = 
                            module_of=modules.get,
                            module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
                            param_grad=param_grads_of(step_events), direction=direction,
-                           max_candidates=max_candidates, progress=progress, overrides=overrides)
+                           max_candidates=max_candidates, progress=progress, overrides=overrides,
+                           accept=accept or ())
     t1 = time.perf_counter()
     out, summary = search_steps(events, make_input)
     search_s = time.perf_counter() - t1
