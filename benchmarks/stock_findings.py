@@ -57,10 +57,26 @@ def embedding_backward() -> None:
               f"{ulp_error(peer, gold, torch.bfloat16).abs().max():.2f}; peer rule: {'pass' if v.passed else 'FAIL'}")
 
 
+def foreach_mul_scalar_inplace() -> None:
+    """SGD's momentum update: ``torch._foreach_mul_(bufs, 0.9)`` on bf16 buffers."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096, generator=gen) * 1e-2).bfloat16()
+    y = x.clone()
+    torch._foreach_mul_([y], 0.9)
+    gold = x.double() * 0.9
+    spacing = 2.0 ** (torch.floor(torch.log2(gold.abs())) - 7)
+    toward_zero = ((y.double() - gold) / spacing * gold.sign()).mean()
+    scalar_in_bf16 = torch.equal(y, (x.double() * torch.tensor(0.9).bfloat16().double()).bfloat16())
+    print(f"  _foreach_mul_(bf16, 0.9): equals x * bf16(0.9) rounded once: {scalar_in_bf16}; equals x * 0.9 "
+          f"rounded once: {torch.equal(y, gold.bfloat16())}; out-of-place x * 0.9 does: "
+          f"{torch.equal(x * 0.9, gold.bfloat16())}; mean error {-toward_zero:.3f} ULP toward zero")
+
+
 def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
     layer_norm_backward()
     embedding_backward()
+    foreach_mul_scalar_inplace()
 
 
 if __name__ == "__main__":

@@ -42,7 +42,10 @@ def test_clean_vendor_adamw_is_not_blamed():
 
 @pytest.mark.parametrize("workload", [P.stock_adamw_fused, P.stock_adamw_foreach, P.stock_sgd_foreach])
 def test_stock_optimizers_are_not_blamed(workload):
-    r = precisiondiff.bisect(workload, target="cpu/bf16")
+    # the documented stock finding (the in-place bf16 foreach multiply rounds its scalar to bf16:
+    # docs/bisect.md) is accepted, so any other optimizer blame shows; accepting it costs nothing
+    # on a CPU that computes it otherwise
+    r = precisiondiff.bisect(workload, target="cpu/bf16", accept=["aten._foreach_mul_.Scalar"])
     assert not _optimizer_units(r), r.culprit
     assert [s["step"] for s in r.steps][:1] == [0]
 
