@@ -11,7 +11,7 @@ import torch
 
 from ..errors import BisectError, PrecisionDiffError, WorkloadError
 from ..capture import MemorySink, capture
-from ..runtime.targets import Target, default_dut
+from ..runtime.targets import Target, checked_held, default_dut
 from ..runtime.workload import RunResult, Workload, call_model, load_workload, run_workload
 from . import compiled
 from .assemble import assemble
@@ -292,7 +292,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            ref: "str | Target" = "cpu/float64", direction: Optional[str] = None,
            budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
            max_candidates: int = 3, noise: bool = False, confirm: bool = False,
-           time_step: bool = False, max_host_memory: Optional[int] = None) -> BisectResult:
+           time_step: bool = False, max_host_memory: Optional[int] = None,
+           allow_narrowed: bool = False) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -336,10 +337,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     """
     overrides = check_options(direction, budgets)
     started = time.perf_counter()
-    dut = Target.parse(target) if target is not None else default_dut()
-    ref_t = Target.parse(ref)
-    dut.check_available()
-    ref_t.check_available()
+    dut, dut_note = checked_held(Target.parse(target) if target is not None else default_dut(),
+                                 allow_narrowed=allow_narrowed)
+    ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     wl = load_workload(workload, seed=seed)
@@ -472,6 +472,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
                       input_check=input_check)
     result.noise = noise_json
+    result.notes[:0] = [n for n in (dut_note, ref_note) if n]
     if compiled_wl is not None:
         if progress is not None:
             progress(0, 1, "compiled regions vs eager")

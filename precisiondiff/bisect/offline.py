@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..errors import BisectError, PrecisionDiffError
-from ..runtime.targets import Target
+from ..runtime.targets import Target, checked_held
 from .assemble import assemble
 from .engine import EngineInput, run_search
 from .evidence import finals_of, input_evidence, param_grads_of
@@ -99,7 +99,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 workload: "str | Callable[[], Any] | None" = None, direction: Optional[str] = None,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
                 max_candidates: int = 3,
-                prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None) -> BisectResult:
+                prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None,
+                allow_narrowed: bool = False) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -137,14 +138,13 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         raise BisectError(f"{dut_dump} was captured in {meta.get('mode')!r} mode; bisect needs "
                           "`precisiondiff capture WORKLOAD --mode replay`")
     dut = Target.parse(_dut_target(meta, dump))
-    ref_t = Target.parse(ref)
-    ref_t.check_available()
+    ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     events = events_from_dump(dump)
     if prepare is not None:
         events = prepare(events)
-    notes: List[str] = []
+    notes: List[str] = [ref_note] if ref_note else []
     modules: Dict[str, torch.nn.Module] = {}
     wl = None
     if workload is not None:

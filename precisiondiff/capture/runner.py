@@ -13,7 +13,7 @@ from ..errors import CaptureError, PrecisionDiffError, WorkloadError
 from . import capture
 from .filters import parse_selection
 from .observer import compare_snapshots, restored_rng, rng_state, set_rng_state, snapshot
-from ..runtime.targets import Target, default_dut
+from ..runtime.targets import Target, checked_held, default_dut
 from ..runtime.workload import load_workload, run_workload
 
 __all__ = ["capture_workload", "capture_script"]
@@ -67,7 +67,7 @@ def _observe(workload, tgt: Target, plain_model, inputs, result, model, before) 
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
                      level: str = "all", mode: str = "stats", format: str = "safetensors",
                      seed: int = 0, steps: Optional[str] = None, train: bool = False, repeat: int = 1,
-                     overwrite: bool = False, **filters) -> str:
+                     overwrite: bool = False, allow_narrowed: bool = False, **filters) -> str:
     """Build the workload (seeded), move it to ``target``, run and capture it.
 
     Steps after the first rerun the same forward/backward (gradients zeroed), which is how
@@ -77,15 +77,19 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
     Returns:
         A one-paragraph summary for the terminal.
 
+    ``allow_narrowed``: a float64 target on a device that holds float64 as float32 (torch_mlu)
+    runs, and is recorded, as the float32 target it is (``meta.target_asked`` keeps what was
+    asked); without it such a target is refused.
+
     Raises:
         PrecisionDiffError: bad workload, target or output directory; disk full.
     """
-    tgt = Target.parse(target) if target is not None else default_dut()
-    tgt.check_available()
+    asked = Target.parse(target) if target is not None else default_dut()
+    tgt, held_note = checked_held(asked, allow_narrowed=allow_narrowed)
     selection = parse_selection(steps if steps is not None else "0")
     n_steps = (max(selection) + 1) if selection else 1
     workload = load_workload(spec, seed=seed)
-    lines = []
+    lines = [f"warning: {held_note}"] if held_note else []
     for run in range(repeat):
         path = os.path.join(out, f"run{run}") if repeat > 1 else out
         model = tgt.prepare_model(workload.model)
@@ -94,6 +98,8 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         observed = None
         meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
                 "backward": workload.loss is not None, "repeat": run}
+        if held_note:
+            meta["target_asked"] = str(asked)
         with _replacing(path, overwrite) as target_dir:
             # observer effect: step 0 again without capture, from the same weights (a copy taken
             # before any hook) and the same RNG state

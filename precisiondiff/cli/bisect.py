@@ -62,8 +62,11 @@ def _progress():
                    "and bisect it; the script's arguments go after --")
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="with --script: keep the dumps in this directory (default: a temporary one, removed)")
+@click.option("--allow-narrowed", "allow_narrowed", is_flag=True,
+              help="a float64 target or reference on a device that holds float64 as float32 (torch_mlu) "
+                   "runs as the float32 target it is, with a note, instead of being refused")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, noise,
-           confirm, card_path, script, keep) -> None:
+           confirm, card_path, script, keep, allow_narrowed) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
@@ -115,10 +118,11 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                 _tell_torchrun(result)
         elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
-                                 budgets=list(budgets), progress=progress)
+                                 budgets=list(budgets), progress=progress, allow_narrowed=allow_narrowed)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
-                              budgets=list(budgets), progress=progress, noise=noise, confirm=confirm)
+                              budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,
+                              allow_narrowed=allow_narrowed)
     _emit(result, card, multi, fmt, out)
 
 
