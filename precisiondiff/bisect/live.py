@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -19,6 +20,7 @@ from ..store.schema import tensor_key
 from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_search
 from .evidence import input_evidence, param_grads_of
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
+from .repro import write_culprit_repro
 from .result import BisectResult
 from .cost import cost_figures, step_cost
 from .judge import parity_bound
@@ -293,7 +295,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
            max_candidates: int = 3, noise: bool = False, confirm: bool = False,
            time_step: bool = False, max_host_memory: Optional[int] = None,
-           allow_narrowed: bool = False) -> BisectResult:
+           allow_narrowed: bool = False, repro: "str | os.PathLike | None" = None,
+           max_elements: Optional[int] = None) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -490,5 +493,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         result.notes.append(f"modules compiled in place with Module.compile() ({', '.join(s or '<root>' for s in in_place)}) "
                             "were bisected eagerly, not checked as compiled regions: wrap them with "
                             "torch.compile(module) instead")
+    if repro is not None and culprit_ev is not None and result.culprit is not None:
+        write_culprit_repro(result, culprit_ev, repro, ref_t, max_elements)
     sink.cleanup()
     return result

@@ -22,7 +22,9 @@ from .assemble import assemble
 from .engine import EngineInput, run_search
 from .evidence import finals_of, input_evidence, param_grads_of
 from .isolate import UnitEvent
+from .repro import write_culprit_repro
 from .result import BisectResult
+from ..store.schema import tensor_key
 from .substitute import final_errors
 
 __all__ = ["bisect_dump", "events_from_dump"]
@@ -100,7 +102,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
                 max_candidates: int = 3,
                 prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None,
-                allow_narrowed: bool = False) -> BisectResult:
+                allow_narrowed: bool = False, repro: "str | Path | None" = None,
+                max_elements: Optional[int] = None) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -116,6 +119,10 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         max_candidates: offending units to report after the culprit.
         prepare: maps the dump's events to those searched (multi-rank bisect leaves collectives
             out and adapts DTensor op calls: :mod:`precisiondiff.bisect.ranks`).
+        allow_narrowed: a float64 ``ref`` on a device that holds float64 as float32 runs as
+            the float32 target it is (a note), instead of being refused.
+        repro, max_elements: write an op culprit's standalone repro into this directory
+            (:mod:`precisiondiff.bisect.repro`), slicing tensors beyond ``max_elements``.
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -202,4 +209,11 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
             "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3)}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
                       notes=notes, input_check=evidence)
+    if result.culprit is not None and out.finding.culprit is not None:
+        ev = out.units[out.finding.culprit]
+        # what `precisiondiff repro RESULT.json` reads back: the dump and the culprit's tensors
+        result.culprit["dump"] = os.path.abspath(os.fspath(dut_dump))
+        result.culprit["keys"] = {s: tensor_key(ev.scope, ev.name, ev.call, ev.direction, s) for s in ev.slots}
+        if repro is not None:
+            write_culprit_repro(result, ev, repro, ref_t, max_elements)
     return result

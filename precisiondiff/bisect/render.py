@@ -37,6 +37,10 @@ def summary_lines(r: BisectResult) -> List[str]:
                          f"what correct rounding of its ops gives ({_num(loc.get('rel_l2_emulated'))})")
         if c.get("message") and c["kind"] != "compiled_region":  # its lines say it already
             lines.append(f"  {c['message'].splitlines()[0]}")
+        if c.get("repro"):
+            files = ", ".join(f"{n} {s} B" for n, s in c["repro"]["files"].items())
+            lines.append(f"  repro: {c['repro']['dir']} ({files}); python {c['repro']['dir']}/repro.py exits 1 "
+                         "while the kernel is wrong")
         ev = r.evidence
         upstream = ev.get("upstream_units", 0)
         if upstream:

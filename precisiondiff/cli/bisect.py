@@ -65,8 +65,12 @@ def _progress():
 @click.option("--allow-narrowed", "allow_narrowed", is_flag=True,
               help="a float64 target or reference on a device that holds float64 as float32 (torch_mlu) "
                    "runs as the float32 target it is, with a note, instead of being refused")
+@click.option("--repro", "repro_dir", type=click.Path(file_okay=False), default=None,
+              help="write an op culprit as a standalone repro into this directory (precisiondiff repro)")
+@click.option("--max-elements", "max_elements", type=int, default=None,
+              help="with --repro: slice the culprit's tensors to about this many elements, keeping its failing rows")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, noise,
-           confirm, card_path, script, keep, allow_narrowed) -> None:
+           confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
@@ -84,6 +88,10 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                           "(see 'precisiondiff bisect --help')")
     multi = is_multi_rank(source)
     offline = multi or (os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")))
+    if (repro_dir is not None or max_elements is not None) and (multi or script is not None):
+        raise BisectError("--repro works with a WORKLOAD or a single-rank DUT_DUMP")
+    if max_elements is not None and repro_dir is None:
+        raise BisectError("--max-elements goes with --repro DIR")
     if multi and ref_dump is not None:
         raise BisectError(f"{source} holds several ranks: REF_DUMP is not supported for a multi-rank job yet "
                           "(each rank's ops and the collectives are judged from the DUT's own inputs)")
@@ -118,11 +126,12 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                 _tell_torchrun(result)
         elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
-                                 budgets=list(budgets), progress=progress, allow_narrowed=allow_narrowed)
+                                 budgets=list(budgets), progress=progress, allow_narrowed=allow_narrowed,
+                                 repro=repro_dir, max_elements=max_elements)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,
-                              allow_narrowed=allow_narrowed)
+                              allow_narrowed=allow_narrowed, repro=repro_dir, max_elements=max_elements)
     _emit(result, card, multi, fmt, out)
 
 
