@@ -14,7 +14,7 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["held_dtype", "INT32_MIN", "INT32_MAX", "beyond_int32"]
+__all__ = ["held_dtype", "forget_probes", "INT32_MIN", "INT32_MAX", "beyond_int32"]
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
@@ -43,6 +43,11 @@ def held_dtype(device: "str | torch.device", dtype: torch.dtype = torch.float64)
     if found is None:
         found = _HELD[dev] = _probe(dev)
     return found
+
+
+def forget_probes() -> None:
+    """Probe again on next use (a device whose conversions were switched: the test stand-in)."""
+    _HELD.clear()
 
 
 def _probe(device: str) -> torch.dtype:

@@ -285,7 +285,7 @@ class ParityFixture:
         from . import parity
         s, budgets = self._settings(options)
         result = parity.check_op(fn, *inputs, target=s.target, ref=s.ref, name=name, kwargs=kwargs,
-                                 **budgets)
+                                 dump_dir=self._dump_dir(), **budgets)
         return self._finish(result, expect)
 
 
