@@ -219,8 +219,6 @@ def case_from_call(op: Any, args: Any, kwargs: Any, actual: List[torch.Tensor], 
         tensors[name] = t.detach().cpu()
         return name
     enc_args, enc_kwargs = encode_args(list(args), slot_of), encode_args(dict(kwargs), slot_of)
-    if isinstance(enc_kwargs, dict) and "dict" in enc_kwargs:
-        enc_kwargs = enc_kwargs["dict"]
     name = str(op)
     outputs = _outputs_from({f"output.{i}": v for i, v in verdicts.items()}, golden,
                             {f"output.{i}": actual[i] for i in verdicts}, magnitudes, ks, dtype)

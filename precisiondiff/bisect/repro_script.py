@@ -77,7 +77,7 @@ def decode(v, tensors, device):
         return tuple(decode(x, tensors, device) for x in v["tuple"])
     if "dict" in v:
         return {k: decode(x, tensors, device) for k, x in v["dict"].items()}
-    raise SystemExit(f"error: argument not replayable: {v}")
+    raise ValueError(f"argument not replayable: {v}")
 
 
 def resolve(name):
@@ -128,7 +128,8 @@ def judge(out, golden, scale, spec):
 
 
 def main(argv):
-    case = json.load(open(os.path.join(HERE, "case.json")))
+    with open(os.path.join(HERE, "case.json"), encoding="utf-8") as fh:
+        case = json.load(fh)
     device = case["device"]
     if "--device" in argv:
         device = argv[argv.index("--device") + 1]
@@ -139,7 +140,7 @@ def main(argv):
         kwargs = decode(case["kwargs"], data, device)
         with torch.no_grad():
             outs = flat_outputs(resolve(case["op"])(*args, **kwargs))
-    except (ImportError, RuntimeError, AttributeError) as err:
+    except (ImportError, RuntimeError, AttributeError, ValueError) as err:
         print(f"error: cannot run {case['op']} on {device}: {type(err).__name__}: {str(err).splitlines()[0]}")
         return 2
     f = case["finding"]
@@ -173,7 +174,8 @@ import repro  # noqa: E402  (the standalone script beside this file)
 
 
 def test_recorded_op_has_parity(parity):
-    case = json.load(open(os.path.join(HERE, "case.json")))
+    with open(os.path.join(HERE, "case.json"), encoding="utf-8") as fh:
+        case = json.load(fh)
     repro.load_device(case["device"])
     data = repro.read_safetensors(os.path.join(HERE, "case.safetensors"))
     args = repro.decode(case["args"], data, "cpu")

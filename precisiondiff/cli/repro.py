@@ -36,5 +36,6 @@ def repro(result, out, max_elements) -> None:
     if not isinstance(data, dict) or "verdict" not in data:
         raise PrecisionDiffError(f"{result} is not a bisect result (no verdict)")
     files = repro_from_result(data, out, max_elements=max_elements)
-    notes = json.load(open(next(p for p, _ in files if p.endswith("case.json")), encoding="utf-8")).get("notes", [])
+    with open(next(p for p, _ in files if p.endswith("case.json")), encoding="utf-8") as fh:
+        notes = json.load(fh).get("notes", [])
     echo_repro_files(files, out, notes)
