@@ -12,7 +12,7 @@ import torch
 
 from ..errors import BisectError, PrecisionDiffError, WorkloadError
 from ..capture import MemorySink, capture
-from ..runtime.targets import Target, checked_held, default_dut
+from ..runtime.targets import Target, checked_held, default_dut, dtype_name
 from ..runtime.workload import RunResult, Workload, call_model, load_workload, run_workload
 from . import compiled
 from .assemble import assemble
@@ -47,6 +47,24 @@ def events_from_sink(sink: MemorySink) -> List[UnitEvent]:
         out.append(UnitEvent(e["seq"], e["kind"], e["scope"], e["name"], e["direction"], e["call"],
                              slots, e.get("args"), load))
     return out
+
+
+def peer_of(peer: "str | Target | None", dut: Target) -> "tuple[Optional[str], str]":
+    """``--peer DEVICE[/DTYPE]``: the device of a real second implementation and its name; it runs
+    in the DUT's dtype (DTYPE, when given, must be the DUT's).
+
+    Raises:
+        BisectError: an autocast peer or another dtype; TargetError: an absent device.
+    """
+    if peer is None:
+        return None, ""
+    spec = str(peer)
+    target = Target.parse(spec if "/" in spec else f"{spec}/{dtype_name(dut.dtype)}")
+    if target.autocast or target.dtype != dut.dtype:
+        raise BisectError(f"--peer {spec}: a peer replays the DUT's ops in the DUT's dtype; use "
+                          f"{target.device}/{dtype_name(dut.dtype)}")
+    target.check_available()
+    return target.device, str(target)
 
 
 def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, Dict[str, Any]]]:
@@ -296,7 +314,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            max_candidates: int = 3, noise: bool = False, confirm: bool = False,
            time_step: bool = False, max_host_memory: Optional[int] = None,
            allow_narrowed: bool = False, repro: "str | os.PathLike | None" = None,
-           max_elements: Optional[int] = None) -> BisectResult:
+           max_elements: Optional[int] = None, peer: "str | Target | None" = None) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -327,6 +345,13 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             the rest is spilled to a temporary directory and read back when a unit needs it
             (``cost.host_memory``; docs/bisect.md, "Host memory").
 
+        allow_narrowed: run a float64 target or reference on a device that holds float64 as
+            float32 as the float32 target it is (a note), instead of refusing it.
+        repro, max_elements: write an op culprit's standalone repro into this directory
+            (docs/bisect.md, "Repro"), slicing tensors beyond ``max_elements``.
+        peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT's dtype (docs/bisect.md,
+            "A real peer").
+
     Returns:
         A :class:`BisectResult`.
 
@@ -343,6 +368,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     dut, dut_note = checked_held(Target.parse(target) if target is not None else default_dut(),
                                  allow_narrowed=allow_narrowed)
     ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
+    peer_device, peer_name = peer_of(peer, dut)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     wl = load_workload(workload, seed=seed)
@@ -387,7 +413,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
         module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction,
-        max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor))
+        max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor,
+        peer_device=peer_device, peer_name=peer_name))
     search_s = time.perf_counter() - t1
 
     # The reference run only when something needs it: the verdict (parity or accumulated: no

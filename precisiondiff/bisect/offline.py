@@ -103,7 +103,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 max_candidates: int = 3,
                 prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None,
                 allow_narrowed: bool = False, repro: "str | Path | None" = None,
-                max_elements: Optional[int] = None) -> BisectResult:
+                max_elements: Optional[int] = None, peer: "str | Target | None" = None) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -123,6 +123,9 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
             the float32 target it is (a note), instead of being refused.
         repro, max_elements: write an op culprit's standalone repro into this directory
             (:mod:`precisiondiff.bisect.repro`), slicing tensors beyond ``max_elements``.
+        peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT's dtype: ops whose
+            peers are needed are also replayed there from the dump's inputs (docs/bisect.md,
+            "A real peer").
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -136,7 +139,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     """
     from ..runtime.workload import load_workload
     from .cost import cost_figures, step_cost
-    from .live import check_options, run_reference
+    from .live import check_options, peer_of, run_reference
     overrides = check_options(direction, budgets)
     started = time.perf_counter()
     dump = _open(dut_dump, "DUT_DUMP")
@@ -148,6 +151,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
+    peer_device, peer_name = peer_of(peer, dut)
     events = events_from_dump(dump)
     if prepare is not None:
         events = prepare(events)
@@ -182,7 +186,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         module_of=modules.get if modules else None,
         module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction, max_candidates=max_candidates,
-        progress=progress, overrides=overrides))
+        progress=progress, overrides=overrides, peer_device=peer_device, peer_name=peer_name))
     if ref_dump is None and wl is not None:  # after the search: only the culprit's scope is kept
         culprit_ev = out.units[out.finding.culprit] if out.finding.culprit is not None else None
         ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events, evidence_for=culprit_ev)

@@ -24,6 +24,15 @@ def summary_lines(r: BisectResult) -> List[str]:
             lines.extend(_region_lines(c))
         elif c["kind"] == "op":
             peer = c.get("peer") or {}
+            real = peer.get("real_peer")
+            if real:
+                found = peer.get("peers") or {}
+                emulated = ", ".join(f"{n} {_num(v)}" for n, v in found.items() if n != real) or "none ran"
+                lenient = max(((n, v) for n, v in found.items() if isinstance(v, (int, float))),
+                              key=lambda nv: nv[1], default=(None, None))[0]
+                lines.append(f"  errors (rel-L2): DUT {_num(peer.get('error'))} | real peer {real} {_num(found.get(real))} "
+                             f"| emulated peers {emulated}; bound {_num(peer.get('bound'))} = x{_num(peer.get('factor'))} "
+                             f"the most lenient peer ({lenient}) + floor {_num(peer.get('floor'))}: the peer rule decided")
             if peer:
                 peers = ", ".join(f"{n} {_num(v)}" for n, v in (peer.get("peers") or {}).items()) or "none ran"
                 lines.append(f"  peer rule: rel-L2 {_num(peer.get('error'))} vs correct peers in its dtype ({peers}), "

@@ -64,6 +64,14 @@ def _observe(workload, tgt: Target, plain_model, inputs, result, model, before) 
     return observed
 
 
+def _handoff_line(path: "str | os.PathLike", spec: str) -> str:
+    """What to copy to another machine to bisect this replay dump there, and how big it is."""
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    return (f"to bisect on another machine (it needs neither the device nor its extension) copy {path} "
+            f"({size / 2 ** 20:.1f} MiB, the whole directory) and run: precisiondiff bisect {path} "
+            f"[--workload {spec}] [--peer DEVICE/DTYPE]")
+
+
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
                      level: str = "all", mode: str = "stats", format: str = "safetensors",
                      seed: int = 0, steps: Optional[str] = None, train: bool = False, repeat: int = 1,
@@ -127,6 +135,8 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         written = cap.recorder.events_written
         loss = f", loss {result.loss.item():.6g}" if result.loss is not None else ""
         lines.append(f"captured {written} events of {spec} on {tgt} ({level}/{mode}{loss}) into {path}")
+        if mode == "replay":
+            lines.append(_handoff_line(path, spec))
         if observed is not None and not observed["bitwise_equal"]:
             what = ", ".join(d["what"] for d in observed["differs"][:4])
             lines.append(f"warning: the captured step differs from the same step without capture ({what}); "

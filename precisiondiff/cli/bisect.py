@@ -69,8 +69,11 @@ def _progress():
               help="write an op culprit as a standalone repro into this directory (precisiondiff repro)")
 @click.option("--max-elements", "max_elements", type=int, default=None,
               help="with --repro: slice the culprit's tensors to about this many elements, keeping its failing rows")
+@click.option("--peer", default=None, metavar="DEVICE[/DTYPE]",
+              help="a real second implementation (another device) in the DUT's dtype: judged ops are replayed "
+                   "there too and its error joins the emulated peers' (e.g. cuda/bf16, cpu/bf16)")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, noise,
-           confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements) -> None:
+           confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements, peer) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
@@ -88,8 +91,8 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                           "(see 'precisiondiff bisect --help')")
     multi = is_multi_rank(source)
     offline = multi or (os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")))
-    if (repro_dir is not None or max_elements is not None) and (multi or script is not None):
-        raise BisectError("--repro works with a WORKLOAD or a single-rank DUT_DUMP")
+    if (repro_dir is not None or max_elements is not None or peer is not None) and (multi or script is not None):
+        raise BisectError("--repro and --peer work with a WORKLOAD or a single-rank DUT_DUMP")
     if max_elements is not None and repro_dir is None:
         raise BisectError("--max-elements goes with --repro DIR")
     if multi and ref_dump is not None:
@@ -127,11 +130,12 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
         elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                  budgets=list(budgets), progress=progress, allow_narrowed=allow_narrowed,
-                                 repro=repro_dir, max_elements=max_elements)
+                                 repro=repro_dir, max_elements=max_elements, peer=peer)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,
-                              allow_narrowed=allow_narrowed, repro=repro_dir, max_elements=max_elements)
+                              allow_narrowed=allow_narrowed, repro=repro_dir, max_elements=max_elements,
+                              peer=peer)
     _emit(result, card, multi, fmt, out)
 
 
