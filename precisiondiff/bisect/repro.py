@@ -125,8 +125,9 @@ def _slice(case: ReproCase, max_elements: int) -> bool:
     for name in rows_of:
         case.tensors[name] = case.tensors[name].index_select(0, rows)
     out.dut, out.golden, out.scale = (t.index_select(0, rows) for t in (out.dut, out.golden, scale))
-    case.notes.append(f"sliced to {rows.numel()} of the {failing.numel()} failing rows (max_elements {max_elements}): "
-                      "judged by the max rule only (the L2 bound belongs to the whole tensor)")
+    written = sum(t.numel() for t in case.tensors.values())
+    case.notes.append(f"sliced to {rows.numel()} of the {failing.numel()} failing rows ({written} input elements for "
+                      f"max_elements {max_elements}): judged by the max rule only (the L2 bound belongs to the whole tensor)")
     return True
 
 
@@ -173,7 +174,9 @@ def _outputs_from(verdicts: Dict[str, Dict[str, Any]], golden: List[torch.Tensor
         g = golden[i]
         mag = magnitudes[i] if magnitudes is not None and i < len(magnitudes) else None
         k = ks[i] if i < len(ks) else None
-        scale = element_scale(g.detach().to(torch.float64).flatten(), dtype,
+        flat = g.detach().to(torch.float64).flatten()
+        # the unit of judge_against_peers: non-finite golden elements count as 0
+        scale = element_scale(torch.where(torch.isfinite(flat), flat, torch.zeros_like(flat)), dtype,
                               magnitude=mag.flatten() if mag is not None else None, k=k)
         outs.append(ReproOutput(slot, i, g.detach().cpu(), scale.cpu(), dut[slot].detach().cpu(), verdict))
     return outs
@@ -186,13 +189,15 @@ def case_from_event(ev: Any, culprit: Dict[str, Any], *, target: str, ref_device
     Raises:
         BisectError: the culprit is not an op judged by the peer rule, or was not recorded in replay mode.
     """
+    from ..comparators.accumulation import magnitude_op
     from ..comparators.peers import compute_dtype
     from .isolate import Unreplayable, replay_op
     if culprit.get("kind") != "op" or not culprit.get("peer"):
         raise BisectError(f"a repro needs an op culprit judged by the peer rule; this culprit is a "
                           f"{culprit.get('kind')} ({culprit.get('name')})")
     try:
-        rep = replay_op(ev, device=ref_device, dtype=ref_dtype, magnitude=True)
+        # the op on |inputs| widens the unit only for the ops the judge used it for
+        rep = replay_op(ev, device=ref_device, dtype=ref_dtype, magnitude=magnitude_op(ev.name))
     except Unreplayable as err:
         raise BisectError(f"cannot write a repro of {ev.name}: {err}") from err
     slot = culprit.get("slot") or "output.0"
