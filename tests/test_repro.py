@@ -127,3 +127,11 @@ def test_the_repros_pytest_file_fails_while_wrong_and_passes_once_fixed(live_rep
         runs[plant] = proc
     assert runs["1"].returncode == 1 and "1 failed" in runs["1"].stdout, runs["1"].stdout[-2000:]
     assert runs["0"].returncode == 0 and "1 passed" in runs["0"].stdout, runs["0"].stdout[-2000:]
+
+
+def test_a_failing_check_under_a_dump_dir_writes_the_culprits_repro(tmp_path):
+    result = parity.check(planted_gemm.workload, target="cpu/bf16", kernels=True, dump_dir=str(tmp_path))
+    assert not result.passed and result.bisect["culprit"]["name"] == "pdrepro.matmul.default"
+    assert result.dumps["repro"] == str(tmp_path / "repro")
+    case = json.loads((tmp_path / "repro" / "case.json").read_text())
+    assert case["op"] == "pdrepro.matmul.default" and case["finding"]["scope"] == ""

@@ -7,20 +7,12 @@ import warnings
 
 import pytest
 import torch
-from click.testing import CliRunner
 from torch import nn
 
 import precisiondiff
-from precisiondiff.cli import cli
 from precisiondiff.runtime import narrowing
-from precisiondiff.runtime.targets import Target
 
-from .test_cli import EXAMPLE
-
-
-def pd(*args: str) -> "tuple[int, str]":
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
-    return result.exit_code, result.output
+from .test_cli import EXAMPLE, pd
 
 
 @pytest.fixture
