@@ -329,7 +329,7 @@ def _abs_inputs(value: Any) -> Any:
 def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None" = None,
              ref: "str | Target | None" = None, name: Optional[str] = None,
              kwargs: Optional[Dict[str, Any]] = None, dump_dir: Optional[str] = None,
-             **budgets: Any) -> ParityResult:
+             peer: "str | Target | None" = None, **budgets: Any) -> ParityResult:
     """Run one function or op on the DUT and on the reference (the DUT's inputs, upcast).
 
     With no budget given, each floating output is judged by the peer rule, as bisect judges a
@@ -347,6 +347,9 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         kwargs: keyword arguments for ``fn``.
         dump_dir: when the peer rule fails an ATen overload ``fn``, write its standalone repro
             into ``dump_dir/repro`` (docs/bisect.md, "Repro").
+        peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT dtype: where the
+            peers are computed, ``fn`` also runs there on the DUT's inputs and its error joins
+            theirs (docs/bisect.md, "A real peer").
         **budgets: ``max_ulp`` (per element, ULPs of the DUT dtype), ``rel_l2``, ``min_cosine``;
             with none, the peer rule judges.
 
@@ -366,6 +369,10 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     golden.check_available()
     kwargs = dict(kwargs or {})
     name = name or _op_name(fn)
+    real_peer = None
+    if peer is not None:
+        from ..bisect.live import peer_of
+        real_peer = peer_of(peer, dut)
     bound = _bounds(dut.dtype, budgets)
     dut_in = dut.prepare_inputs((inputs, kwargs))
     ref_in = move_inputs(dut_in, golden.device, golden.dtype)
@@ -407,7 +414,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         pv = judge_against_peers(out.detach(), exp.detach(), {}, magnitude=mag, k=k, dtype=cdt, what=key)
         if not pv.passed:
             if peers is None:
-                peers = _op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op)
+                peers = _op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op, real_peer)
             pv = judge_against_peers(out.detach(), exp.detach(),
                                      {n: (p[index] if index < len(p) else None) for n, p in peers.items()},
                                      magnitude=mag, k=k, dtype=cdt, what=key)
@@ -440,7 +447,7 @@ def _write_op_repro(fn: Any, dut_in: Any, outs: List[Tuple[str, torch.Tensor]], 
 
 
 def _op_peers(fn: Callable[..., Any], dut_in: Any, golden: Target, out_dtypes: List[torch.dtype],
-              dut_op: Any) -> Dict[str, List[Optional[torch.Tensor]]]:
+              dut_op: Any, real_peer: Optional[Tuple[Optional[str], str]] = None) -> Dict[str, List[Optional[torch.Tensor]]]:
     """The emulated peers of ``fn`` on the DUT's inputs: per peer, its outputs in the order of
     :func:`_keyed_outputs` (None where it could not run). The decomposition peer only when
     ``fn`` dispatched one op (``dut_op``, a :class:`LastOp`): Python code around it would run
@@ -458,4 +465,8 @@ def _op_peers(fn: Callable[..., Any], dut_in: Any, golden: Target, out_dtypes: L
     for label, outs in (("float32", float32_peer(fn, up[0], up[1], out_dtypes)), ("decomposition", single)):
         if outs is not None:
             found[label] = outs
+    if real_peer is not None and real_peer[0] is not None:  # the same inputs, on the peer's device
+        on = move_inputs(dut_in, real_peer[0], None)
+        with torch.no_grad():
+            found[real_peer[1]] = [t.cpu() for _, t in _keyed_outputs(fn(*on[0], **on[1]))]
     return found

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from .test_cli import EXAMPLE, ROOT
 
@@ -88,3 +89,14 @@ def test_compare_a_device_dump_with_a_cpu_dump_of_another_process(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
     rows = json.loads(proc.stdout)["rows"]
     assert rows and json.loads(proc.stdout)["target_a"] == "mlu/bf16"
+
+
+def test_check_op_takes_a_real_peer(standin):
+    from precisiondiff.testing import parity
+    a, b, bias = torch.randn(32, 64), torch.randn(64, 48), torch.randn(48)
+    with standin.planted(gemm_chunk=1):
+        result = parity.check_op(torch.ops.aten.addmm.default, bias, a, b, target="mlu/bf16", peer="cpu/bf16")
+    check = result.checks[0]
+    assert not result.passed and "cpu/bf16" in check.message
+    clean = parity.check_op(torch.ops.aten.addmm.default, bias, a, b, target="mlu/bf16", peer="cpu/bf16")
+    assert clean.passed
