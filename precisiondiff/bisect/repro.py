@@ -70,18 +70,12 @@ def _bounds(v: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _slots_used(encoded: Any) -> List[str]:
-    found: List[str] = []
-    stack = [encoded]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            if "t" in v:
-                found.append(v["t"])
-            else:
-                stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return found
+    """The tensor slots an encoded argument list refers to, in argument order."""
+    if isinstance(encoded, dict):
+        return [encoded["t"]] if "t" in encoded else [s for v in encoded.values() for s in _slots_used(v)]
+    if isinstance(encoded, list):
+        return [s for v in encoded for s in _slots_used(v)]
+    return []
 
 
 def _failing_rows(out: ReproOutput, scale: torch.Tensor) -> torch.Tensor:
