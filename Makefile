@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PD := $(VENV)/bin/precisiondiff
 RUNS ?= runs
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-portability bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,13 +36,24 @@ demo: venv
 	@echo "HTML report: $(RUNS)/report.html"
 	$(PD) bisect $(BUGGY) --format table || test $$? -eq 1
 
-# The tests that exercise stock CPU kernels run again on the portable path and on AVX2 (PyTorch
+# The main pass runs on two pytest-xdist workers (PYTEST_WORKERS=0 runs it in one process). Then the
+# tests that exercise stock CPU kernels run again on every narrower vector path this CPU can take
+# (tools/cpu_capabilities.py: default and avx2 on an AVX-512 machine, default on an AVX2 one; PyTorch
 # reads ATEN_CPU_CAPABILITY at start-up): the verdicts must be the same on every CPU. Each pass has
 # its own inductor cache: a shared one would hand kernels built for another instruction set.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
+
 test: venv
-	$(PY) -m pytest -q
-	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/inductor-default $(PY) -m pytest -q -m stock_kernels
-	if [ "$$(uname -m)" = x86_64 ]; then ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/inductor-avx2 $(PY) -m pytest -q -m stock_kernels; fi
+	$(PY) -m pytest -q $(XDIST)
+	$(MAKE) --no-print-directory test-portability
+
+test-portability: venv
+	@set -e; for cap in $$($(PY) tools/cpu_capabilities.py); do \
+	  echo "== stock-kernel tests under ATEN_CPU_CAPABILITY=$$cap"; \
+	  ATEN_CPU_CAPABILITY=$$cap TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/inductor-$$cap \
+	    $(PY) -m pytest -q -m stock_kernels $(XDIST); \
+	done
 
 bench: venv
 	$(PY) benchmarks/bench_capture.py

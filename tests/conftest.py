@@ -12,6 +12,13 @@ pytest_plugins = ["pytester"]  # the plugin's own tests (tests/plugin) drive thr
 # always reproduces; locally they explore new examples on every run.
 from hypothesis import settings  # noqa: E402
 
+# pytest-xdist's workers (`make test` runs two) inherit COLUMNS=80 from execnet; the CLI sizes its
+# tables by COLUMNS when stdout is not a terminal, so a worker would see narrower tables (cut
+# names) than a plain run. The suite runs as a plain run would.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")

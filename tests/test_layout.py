@@ -93,7 +93,8 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_nothing_below_the_faces_imports_them():
     room = lambda module: (module.split(".") + [""])[1]  # noqa: E731
     offenders = [(m, t) for m, targets in _import_graph().items() for t in targets
-                 if room(t) in FACES and room(m) not in FACES and m != "precisiondiff.strategies"]
+                 if room(t) in FACES and room(m) not in FACES
+                 and m not in ("precisiondiff.strategies", "precisiondiff.__main__")]  # a face itself
     assert offenders == []
 
 
@@ -135,6 +136,13 @@ def test_capture_is_callable_after_its_package_is_imported():
     assert out.stdout.split() == ["True", "True"]
 
 
-def test_cli_runs_as_a_module():
-    out = subprocess.run([sys.executable, "-m", "precisiondiff.cli", "--help"], capture_output=True, text=True)
+@pytest.mark.parametrize("module", ["precisiondiff.cli", "precisiondiff"])
+def test_cli_runs_as_a_module(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "bisect" in out.stdout
+
+
+def test_python_m_precisiondiff_passes_exit_codes_through(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "precisiondiff", "verify", str(tmp_path / "missing")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr

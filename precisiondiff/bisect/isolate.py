@@ -11,16 +11,16 @@ that have no golden-dtype implementation in float32 instead (documented fallback
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..capture.serialize import decode_args, flatten_tensors
+from ..capture.serialize import decode_call, flatten_tensors
 from ..comparators.accumulation import is_random_call
 from ..comparators.peers import reductions_in_dtype, reference_semantics
+from ..runtime.copying import copy_model
 from .references import reference_for
 
 __all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
@@ -184,15 +184,13 @@ def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool
     if not ev.args or not ev.args.get("replayable", False):
         raise Unreplayable(f"{ev.name}: arguments not recorded (capture with --mode replay)")
     fn = reference_for(ev.name) or resolve_op(ev.name)
-    enc_args, enc_kwargs = ev.args.get("args", []), ev.args.get("kwargs", {})
 
     def decode(convert: Callable[[torch.Tensor], torch.Tensor],
                dmap: Callable[[torch.dtype], torch.dtype], absolute: bool = False,
                on: Optional[str] = None) -> "tuple[Any, Any]":
         tensor_of = _loader(ev, convert)
         try:
-            args = decode_args(enc_args, tensor_of, device=on or device, dtype_map=dmap)
-            kwargs = decode_args(enc_kwargs, tensor_of, device=on or device, dtype_map=dmap)
+            args, kwargs = decode_call(ev.args, tensor_of, device=on or device, dtype_map=dmap)
         except ValueError as err:
             raise Unreplayable(f"{ev.name}: {err}") from err
         if absolute:
@@ -379,7 +377,7 @@ class GoldenMode(TorchDispatchMode):
 
 
 def _module_copy(template: torch.nn.Module, ev: UnitEvent, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    module = copy.deepcopy(template).to(device=device)
+    module = copy_model(template).to(device=device)
     module = module.to(dtype=dtype)
     up = _upcaster(device, dtype)
     with torch.no_grad():
@@ -413,8 +411,7 @@ def _decode_inputs(ev: UnitEvent, device: str, dtype: torch.dtype, requires_grad
         raise Unreplayable(f"{ev.scope}: module arguments not recorded (capture with --mode replay)")
     tensor_of = _loader(ev, _upcaster(device, dtype, requires_grad=requires_grad))
     try:
-        args = decode_args(ev.args.get("args", []), tensor_of, device=device, dtype_map=_dtype_map(dtype))
-        kwargs = decode_args(ev.args.get("kwargs", {}), tensor_of, device=device, dtype_map=_dtype_map(dtype))
+        args, kwargs = decode_call(ev.args, tensor_of, device=device, dtype_map=_dtype_map(dtype))
     except ValueError as err:
         raise Unreplayable(f"{ev.scope}: {err}") from err
     return list(args), dict(kwargs)

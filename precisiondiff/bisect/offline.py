@@ -156,6 +156,9 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if prepare is not None:
         events = prepare(events)
     notes: List[str] = [ref_note] if ref_note else []
+    if not meta.get("arg_layouts"):
+        notes.append("the dump records no argument layouts (captured before they were recorded): ops replay "
+                     "on contiguous copies, so a kernel with a layout-dependent path may round differently")
     modules: Dict[str, torch.nn.Module] = {}
     wl = None
     if workload is not None:

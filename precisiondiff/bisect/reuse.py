@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..capture.serialize import decode_args
+from ..capture.serialize import decode_call
 from .isolate import UnitEvent, _loader, _upcaster, _dtype_map
 
 __all__ = ["RoundedOps", "ReplayedOps"]
@@ -51,8 +51,10 @@ def _same(a: List[Any], b: List[Any]) -> bool:
         return False
     for x, y in zip(a, b):
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            # the same layout too: a kernel may round differently for another one (docs/bisect.md)
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.dtype != y.dtype \
-                    or x.shape != y.shape or x.device != y.device or not torch.equal(x, y):
+                    or x.shape != y.shape or x.device != y.device or x.stride() != y.stride() \
+                    or not torch.equal(x, y):
                 return False
         elif type(x) is not type(y) or x != y:
             return False
@@ -101,10 +103,7 @@ class RoundedOps:
         dmap = _dtype_map(self.dtype) if upcast else (lambda dt: dt)
         tensor_of = _loader(ev, convert)
         try:
-            args = decode_args(ev.args.get("args", []), tensor_of, device=self.device if upcast else None,
-                               dtype_map=dmap)
-            kwargs = decode_args(ev.args.get("kwargs", {}), tensor_of, device=self.device if upcast else None,
-                                 dtype_map=dmap)
+            args, kwargs = decode_call(ev.args, tensor_of, device=self.device if upcast else None, dtype_map=dmap)
         except Exception:  # noqa: BLE001 - a call that cannot be decoded is simply not reused
             return None
         return _leaves(args, kwargs)

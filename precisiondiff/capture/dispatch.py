@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .distributed import COLLECTIVE_NAMESPACES, Deferred, collective, collective_outputs, destinations
 from .ran_on import ran_on
-from .serialize import encode_args, flatten_tensors, is_replayable
+from .serialize import encode_call, flatten_tensors
 
 if TYPE_CHECKING:
     from .session import CaptureSession
@@ -231,9 +231,7 @@ class OpCaptureMode(TorchDispatchMode):
                 rec.add(event, _OUTPUT_SLOTS[i] if i < 16 else f"output.{i}", t, fresh=mutated)
         encoded = None
         if rec.mode == "replay":
-            encoded = {"args": encode_args(list(args), lambda t: rec.slot_of(event, t)),
-                       "kwargs": encode_args(dict(kwargs), lambda t: rec.slot_of(event, t))}
-            encoded["replayable"] = is_replayable(encoded)
+            encoded = encode_call(args, kwargs, lambda t: rec.slot_of(event, t))
         if event.device is not None and event.device != "cpu":
             event.device = ran_on(func, event.device)  # "cpu": the backend's CPU fallback ran it
         rec.finish(event, args=encoded)

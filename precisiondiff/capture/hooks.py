@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import PrecisionDiffError
 from .dispatch import in_backward
-from .serialize import encode_args, flatten_tensors, is_replayable
+from .serialize import encode_call, flatten_tensors
 
 __all__ = ["ModuleHooks", "SCOPE_TAG", "CURRENT_NODE"]
 
@@ -264,9 +264,7 @@ class ModuleHooks:
         encoded = None
         if rec.mode == "replay":
             slot = lambda t: rec.slot_of(event, t)  # noqa: E731
-            encoded = {"args": encode_args(list(args), slot), "kwargs": encode_args(dict(kwargs), slot),
-                       "training": module.training}
-            encoded["replayable"] = is_replayable(encoded)
+            encoded = {**encode_call(args, kwargs, slot), "training": module.training}
         self._fwd_inputs.setdefault(id(module), []).append((event, encoded))
 
     def _fwd_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:

@@ -1,46 +1,21 @@
 """Capture a workload or a script on a target: what ``precisiondiff capture`` runs."""
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
 import runpy
-import shutil
 import sys
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 from ..errors import CaptureError, PrecisionDiffError, WorkloadError
 from . import capture
 from .filters import parse_selection
+from .replace import replacing
 from .observer import compare_snapshots, restored_rng, rng_state, set_rng_state, snapshot
+from ..runtime.copying import copy_model
 from ..runtime.targets import Target, checked_held, default_dut
 from ..runtime.workload import load_workload, run_workload
 
 __all__ = ["capture_workload", "capture_script"]
-
-
-@contextlib.contextmanager
-def _replacing(out: "str | os.PathLike", overwrite: bool) -> Iterator[str]:
-    """Where to write a capture. Replacing an existing dump (``--overwrite``) writes a new one
-    beside it and swaps it in only when the capture succeeds: a failed or killed capture never
-    destroys the previous dump (the failed one is kept as ``OUT.failed``)."""
-    out = os.fspath(out)
-    if not (overwrite and os.path.isdir(out)):
-        yield out
-        return
-    fresh, failed = f"{out}.new", f"{out}.failed"
-    shutil.rmtree(fresh, ignore_errors=True)
-    try:
-        yield fresh
-    except BaseException as err:
-        if os.path.isdir(fresh):
-            shutil.rmtree(failed, ignore_errors=True)
-            os.replace(fresh, failed)
-        if isinstance(err, PrecisionDiffError):
-            raise type(err)(f"{err} [the previous dump in {out} is untouched; this capture is in {failed}]") from err
-        raise
-    shutil.rmtree(out)
-    os.replace(fresh, out)
 
 
 def _check(cap, path: "str | os.PathLike") -> None:
@@ -108,10 +83,10 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
                 "backward": workload.loss is not None, "repeat": run}
         if held_note:
             meta["target_asked"] = str(asked)
-        with _replacing(path, overwrite) as target_dir:
+        with replacing(path, overwrite) as target_dir:
             # observer effect: step 0 again without capture, from the same weights (a copy taken
             # before any hook) and the same RNG state
-            plain_model = copy.deepcopy(model)
+            plain_model = copy_model(model)
             try:
                 with capture(target_dir, model=model, level=level, mode=mode, format=format,
                              steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
@@ -161,7 +136,7 @@ def capture_script(script: str, args: List[str], out: "str | os.PathLike", *, le
     sys.argv = [script, *args]
     code = 0
     try:
-        with _replacing(out, overwrite) as target_dir, \
+        with replacing(out, overwrite) as target_dir, \
                 capture(target_dir, model=None, level=level, mode=mode, format=format, steps=steps,
                         meta=meta, overwrite=overwrite, **filters) as cap:
             try:

@@ -167,6 +167,8 @@ class CaptureSession(ModuleHooks):
             meta = {"level": self.level, "mode": self.mode, "rank": self.rank,
                     "world_size": self.world_size, "multi_step": multi_step,
                     "max_host_memory": self.max_host_memory, **distributed.layout(), **self.meta}
+            if self.mode == "replay":  # tensor arguments carry the layout the call saw (serialize.py)
+                meta["arg_layouts"] = True
             self._sink = DumpSink(self.out, format=self.format, meta=meta, overwrite=self.overwrite,
                                   queue_bytes=self.max_host_memory // 2,
                                   shard_bytes=self.max_host_memory // 4, durable=self.durable)

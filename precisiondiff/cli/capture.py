@@ -20,7 +20,9 @@ __all__ = ["capture", "refuse_workload_with_script"]
 @click.option("--train", is_flag=True, help="keep training mode (dropout active); default: eval mode")
 @click.option("--repeat", type=int, default=1, show_default=True,
               help="capture N times into OUT/run0..run{N-1} to measure run-to-run determinism")
-@click.option("--overwrite", is_flag=True, help="replace an existing dump in OUT")
+@click.option("--overwrite", is_flag=True,
+              help="replace an existing dump in OUT once the capture succeeded (under torchrun: once, "
+                   "by one process, after every rank finished)")
 @click.option("--allow-narrowed", "allow_narrowed", is_flag=True,
               help="run a float64 target on a device that holds float64 as float32 (torch_mlu) as the "
                    "float32 target it is, recorded so, instead of refusing it")

@@ -60,7 +60,9 @@ def render(group: "click.Group | None" = None) -> str:
     lines = ["# Command-line reference", "",
              f"<!-- generated from the click commands: {REGENERATE}; do not edit by hand -->", "",
              inspect.cleandoc(group.help or ""), "",
-             "Exit codes: 0 ran, parity; 1 ran, divergence found; 2 bad input or usage (one line on stderr).", ""]
+             "Exit codes: 0 ran, parity; 1 ran, divergence found; 2 bad input or usage (one line on stderr).", "",
+             "Run it as `precisiondiff`, `python -m precisiondiff` or, in every process of a job, "
+             "`torchrun ... -m precisiondiff` (`-m precisiondiff.cli` works too).", ""]
     names = group.list_commands(root)
     lines += ["Commands: " + ", ".join(f"[`{n}`](#precisiondiff-{n})" for n in names) + ".", ""]
     for name in names:

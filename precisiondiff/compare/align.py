@@ -16,6 +16,8 @@ Rules (see docs/compare.md):
   ones: a run in another dtype adds casts by design, and an extra cast next to a repeated
   pattern (``mul mul sum``) must not shift the pattern's pairing.
 * Every event ends up in exactly one place: a pair, or the unmatched list of its side.
+* A wrapper's prefix on one side (``module.`` of DDP/DeepSpeed/Megatron, ``_orig_mod.``,
+  ``_fsdp_wrapped_module.``) is removed before matching (:mod:`.unwrap`), with a note.
 
 Structural checks raise :class:`~precisiondiff.errors.AlignmentError` (different steps,
 different ranks, or different models: too few events match).
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import AlignmentError
+from .unwrap import unwrap
 
 __all__ = ["EventRef", "Pair", "Alignment", "align_events", "check_same_structure"]
 
@@ -89,12 +92,14 @@ class Alignment:
         order: the merged execution order: ``(a_index | None, b_index | None)`` tuples; every
             pair and every unmatched event appears once, unmatched B events right after the
             A event matched to their nearest matched predecessor.
+        notes: sentences for the user (a wrapper prefix removed from one side's paths).
     """
 
     pairs: List[Pair] = field(default_factory=list)
     unmatched_a: List[int] = field(default_factory=list)
     unmatched_b: List[int] = field(default_factory=list)
     order: List[Tuple[Optional[int], Optional[int]]] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
 
 
 def _segments(events: Sequence[EventRef]) -> Dict[int, Tuple]:
@@ -206,6 +211,7 @@ def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = 
         >>> [(p.a, p.b) for p in al.pairs], al.unmatched_a
         ([(0, 0)], [1])
     """
+    a, b, notes = unwrap(a, b)
     pairs: List[Pair] = []
     un_a: List[int] = []
     un_b: List[int] = []
@@ -242,7 +248,7 @@ def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = 
     if check:
         check_same_structure(a, b, pairs)
     return Alignment(pairs=pairs, unmatched_a=sorted(un_a), unmatched_b=sorted(un_b),
-                     order=_merge_order(a, b, pairs, un_a, un_b))
+                     order=_merge_order(a, b, pairs, un_a, un_b), notes=notes)
 
 
 def _describe(e: EventRef) -> str:

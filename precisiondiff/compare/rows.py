@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from .align import Alignment, EventRef, align_events
 from .comparison import Row
 from .judge import Judge, apply_noise, bitwise, judge_row
+from .precision import RunPrecision
 from .shard_rows import shard_row
 from .suspects import InputErrors, set_growth
 from ..errors import DumpError
@@ -58,15 +59,33 @@ def compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge:
     ev_a = [e for e in ev_a if keep(e) and not (judge.single_ref and e.kind == "gathered")]
     ev_b = [e for e in ev_b if keep(e)]
     alignment: Alignment = align_events(_refs(ev_a), _refs(ev_b))
+    notes.extend(n for n in alignment.notes if n not in notes)
     noise_of: Dict[int, Any] = {}
     if dn is not None:
         ev_n = [e for e in dn.events() if keep(e)]
         al_n = align_events(_refs(ev_a), _refs(ev_n))
         noise_of = {p.a: ev_n[p.b] for p in al_n.pairs}
     how = {p.a: p.how for p in alignment.pairs}
-    total = len(alignment.order)
     input_errors = InputErrors(da, db, device)
+    precision, target_dtype = RunPrecision(judge.run_dtype), judge.run_dtype
+    try:
+        yield from _rows_in_order(da, db, dn, ev_a, ev_b, alignment, noise_of, how, inputs, judge, device,
+                                  input_errors, precision, progress)
+    finally:
+        judge.run_dtype = target_dtype
+    note = precision.note()
+    if note and note not in notes:
+        notes.append(note)
+
+
+def _rows_in_order(da: Any, db: Any, dn: Any, ev_a: List[Any], ev_b: List[Any], alignment: Alignment,
+                   noise_of: Dict[int, Any], how: Dict[int, str], inputs: bool, judge: Judge,
+                   device: Optional[str], input_errors: InputErrors, precision: RunPrecision,
+                   progress: Optional[Progress]) -> Iterator[Row]:
+    total = len(alignment.order)
     for done, (i, j) in enumerate(alignment.order, start=1):
+        if i is not None:  # judged at the precision A's run has computed in so far
+            judge.run_dtype = precision.see(ev_a[i])
         if i is not None and j is not None:
             pair = list(_pair_rows(da, db, dn, ev_a[i], ev_b[j], noise_of.get(i), how[i], inputs,
                                    judge, device, input_errors))

@@ -16,7 +16,6 @@ An out-of-tree device is found, in order: a device module already registered und
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import importlib.util
 import os
@@ -246,8 +245,16 @@ class Target:
             device_module(self.device_type).synchronize()
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """A copy of ``model`` on this target: floating params cast unless autocast."""
-        moved = copy.deepcopy(model)
+        """A copy of ``model`` on this target: floating params cast unless autocast.
+
+        Objects the model holds that cannot be deep-copied (process groups, locks) are shared
+        with the copy (:func:`~precisiondiff.runtime.copying.copy_model`).
+
+        Raises:
+            WorkloadError: the model cannot be copied even so.
+        """
+        from .copying import copy_model
+        moved = copy_model(model)
         if self.autocast:
             return moved.to(self.device)
         return moved.to(device=self.device, dtype=self.dtype)

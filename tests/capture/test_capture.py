@@ -8,7 +8,7 @@ from torch import nn
 
 import precisiondiff
 from precisiondiff.capture import MemorySink, capture
-from precisiondiff.capture.serialize import decode_args
+from precisiondiff.capture.serialize import decode_call
 from precisiondiff.runtime.targets import Target
 from precisiondiff.runtime.workload import load_workload, run_workload
 
@@ -88,8 +88,7 @@ def test_replay_args_reexecute_bitwise(example_spec):
     for ev in sink.events[:40]:
         assert ev["args"]["replayable"], ev["name"]
         slots = {t["slot"]: t for t in ev["tensors"]}
-        args = decode_args(ev["args"]["args"], lambda s: sink.tensor(slots[s]))
-        kwargs = decode_args(ev["args"]["kwargs"], lambda s: sink.tensor(slots[s]))
+        args, kwargs = decode_call(ev["args"], lambda s: sink.tensor(slots[s]))
         ns, op, overload = ev["name"].split(".")
         out = getattr(getattr(getattr(torch.ops, ns), op), overload)(*args, **kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out
