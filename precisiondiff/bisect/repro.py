@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..capture.serialize import encode_args
+from ..capture.serialize import encode_call
 from ..comparators.peers import MAX_FLOOR, element_scale
 from ..errors import BisectError
 from .repro_script import PYTEST, SCRIPT
@@ -78,6 +78,20 @@ def _slots_used(encoded: Any) -> List[str]:
     return []
 
 
+def _contiguous(encoded: Any, slots: "set[str]") -> None:
+    """A sliced argument cannot keep the recorded layout of the whole: drop it (contiguous)."""
+    if isinstance(encoded, dict):
+        if encoded.get("t") in slots:
+            for key in ("stride", "offset", "s"):
+                encoded.pop(key, None)
+        else:
+            for v in encoded.values():
+                _contiguous(v, slots)
+    elif isinstance(encoded, list):
+        for v in encoded:
+            _contiguous(v, slots)
+
+
 def _failing_rows(out: ReproOutput, scale: torch.Tensor) -> torch.Tensor:
     """Indices along dim 0 of the output holding elements over the max bound."""
     d = out.dut.to(torch.float64)
@@ -118,6 +132,7 @@ def _slice(case: ReproCase, max_elements: int) -> bool:
     rows = failing[: max(1, (max_elements - fixed) // max(per_row, 1))]
     for name in rows_of:
         case.tensors[name] = case.tensors[name].index_select(0, rows)
+    _contiguous(case.args, rows_of)
     out.dut, out.golden, out.scale = (t.index_select(0, rows) for t in (out.dut, out.golden, scale))
     written = sum(t.numel() for t in case.tensors.values())
     case.notes.append(f"sliced to {rows.numel()} of the {failing.numel()} failing rows ({written} input elements for "
@@ -217,7 +232,8 @@ def case_from_call(op: Any, args: Any, kwargs: Any, actual: List[torch.Tensor], 
         name = f"input.{len(tensors)}"
         tensors[name] = t.detach().cpu()
         return name
-    enc_args, enc_kwargs = encode_args(list(args), slot_of), encode_args(dict(kwargs), slot_of)
+    encoded = encode_call(list(args), dict(kwargs), slot_of)
+    enc_args, enc_kwargs = encoded["args"], encoded["kwargs"]
     name = str(op)
     outputs = _outputs_from({f"output.{i}": v for i, v in verdicts.items()}, golden,
                             {f"output.{i}": actual[i] for i in verdicts}, magnitudes, ks, dtype)

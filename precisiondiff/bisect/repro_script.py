@@ -53,6 +53,23 @@ def read_safetensors(path):
     return out
 
 
+def in_layout(t, entry, device):
+    """The tensor in the layout the recorded call saw (its strides and storage offset): a kernel
+    may take another path, and round differently, for another layout. Arguments that viewed one
+    storage get a buffer each; a layout that cannot be rebuilt (overlapping) stays contiguous."""
+    if "stride" not in entry and "offset" not in entry:
+        return t.to(device)
+    stride = entry.get("stride") or list(t.contiguous().stride())
+    offset = entry.get("offset", 0)
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, stride)) if t.numel() else 0
+    try:
+        view = torch.zeros(offset + extent, dtype=t.dtype, device=device).as_strided(t.shape, stride, offset)
+        view.copy_(t.to(device))
+        return view
+    except RuntimeError:
+        return t.to(device)
+
+
 def decode(v, tensors, device):
     """The recorded arguments (precisiondiff's replay encoding) as Python values."""
     if isinstance(v, list):
@@ -60,11 +77,13 @@ def decode(v, tensors, device):
     if not isinstance(v, dict):
         return v
     if "t" in v:
-        return tensors[v["t"]].to(device)
+        return in_layout(tensors[v["t"]], v, device)
     if "f" in v:
         return float(v["f"])
     if "like" in v:
-        return torch.zeros(v["like"]["shape"], dtype=getattr(torch, v["like"]["dtype"]), device=device)
+        shape = v["like"]["shape"]
+        stride = v["like"].get("stride") or torch.empty(shape, device="meta").stride()
+        return torch.empty_strided(shape, stride, dtype=getattr(torch, v["like"]["dtype"]), device=device).zero_()
     if "dtype" in v:
         return getattr(torch, v["dtype"])
     if "device" in v:
