@@ -115,18 +115,22 @@ def _slice(case: ReproCase, max_elements: int) -> bool:
         rows_of |= {s for s in slots if case.op == "aten.addmm.default" and case.tensors[s].dim() == 2
                     and case.tensors[s].shape[0] == out.dut.shape[0] and s != slots[2]}
     elif all(t.shape == out.dut.shape for t in case.tensors.values()):
-        for name in list(case.tensors):
-            case.tensors[name] = case.tensors[name].flatten()
-        out.dut, out.golden = out.dut.flatten(), out.golden.flatten()
         rows_of = set(case.tensors)
     else:
         case.notes.append(f"not sliced: no slicing rule for {case.op} (only GEMMs and same-shape element-wise ops)")
         return False
-    scale = out.scale.reshape(out.dut.shape)
-    failing = _failing_rows(out, scale)
+    flat = case.op not in _GEMMS  # an element-wise op is cut element by element
+    shape = (out.dut.numel(),) if flat else out.dut.shape
+    scale = out.scale.reshape(shape)
+    failing = _failing_rows(ReproOutput(out.slot, out.index, out.golden.reshape(shape), scale,
+                                        out.dut.reshape(shape), out.verdict), scale)
     if failing.numel() == 0:
         case.notes.append("not sliced: no element exceeds the max bound (the L2 rule decided, on the whole tensor)")
         return False
+    if flat:
+        for name in rows_of:
+            case.tensors[name] = case.tensors[name].flatten()
+        out.dut, out.golden = out.dut.flatten(), out.golden.flatten()
     per_row = sum(case.tensors[s][0].numel() for s in rows_of)
     fixed = sum(t.numel() for s, t in case.tensors.items() if s not in rows_of)
     rows = failing[: max(1, (max_elements - fixed) // max(per_row, 1))]
