@@ -12,9 +12,10 @@ CONTRACT = {
     "scan": [],
     "compare": ["--format", "-o", "--jobs"],
     "report": ["-o"],
-    "bisect": ["--target", "--ref", "--format", "-o", "--workload"],
+    "bisect": ["--target", "--ref", "--format", "-o", "--workload", "--repro", "--peer", "--allow-narrowed"],
     "probe": ["--target", "--ops", "--format", "-o", "--diff"],
     "ranks": ["--replicated", "--json"],
+    "repro": ["-o", "--max-elements"],
 }
 
 

@@ -20,6 +20,8 @@ def unit_json(ev: UnitEvent, detail: Dict[str, Any]) -> Dict[str, Any]:
            "call": ev.call, "local": detail.get("local", {}), "budget": detail.get("budget", {})}
     if detail.get("peer"):
         out["peer"] = detail["peer"]
+        if detail.get("slot"):
+            out["slot"] = detail["slot"]  # the output the peer verdict is about
     return out
 
 

@@ -61,6 +61,9 @@ class EngineInput:
             (further module candidates; they cannot change the culprit).
         accept: findings the user has read (:class:`~precisiondiff.bisect.findings.Accept`): an
             offending op they match is recorded as ``accepted`` and does not offend.
+        peer_device, peer_name: a real second implementation (``bisect --peer cpu/bf16``): where
+            the emulated peers are computed for an op, it is replayed there too on the DUT's own
+            inputs, and its error joins theirs (``peer.peers[peer_name]``, ``peer.real_peer``).
     """
 
     events: List[UnitEvent]
@@ -78,6 +81,8 @@ class EngineInput:
     random_outputs: Optional[Callable[[UnitEvent], List[List[torch.Tensor]]]] = None
     judge_after_culprit: bool = False
     accept: Sequence[Any] = ()
+    peer_device: Optional[str] = None
+    peer_name: str = ""
 
 
 @dataclass
@@ -298,7 +303,11 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int],
         if has_magnitude and rep.magnitudes is None:
             raise _NeedsMagnitude
         _count(counter, "op_peers", 2)
-        return rep.peers(dtypes)
+        found = rep.peers(dtypes)
+        if inp.peer_device is not None:
+            _count(counter, "op_real_peer", 1)
+            found[inp.peer_name] = rep.on_device(inp.peer_device)
+        return found
     try:
         oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
     except _NeedsMagnitude:
@@ -346,6 +355,8 @@ def _op_verdict(ev: UnitEvent, inp: EngineInput, outputs: List[J.OpOutput],
     """The judgement and detail of a judged op; the run-to-run noise floor applies here."""
     detail = {"replayable": True, "passed": oj.passed, "local": oj.local, "budget": oj.budget,
               "slot": oj.slot, "message": oj.message, "peer": oj.peer}
+    if inp.peer_device is not None and oj.peer and inp.peer_name in (oj.peer.get("peers") or {}):
+        oj.peer["real_peer"] = inp.peer_name
     floor = (inp.noise or {}).get((ev.scope, ev.name, ev.direction, ev.call), 0.0)
     if floor > 0:
         detail["noise"] = floor

@@ -158,6 +158,9 @@ class OpReplay:
         peers: called with the DUT output dtypes, computes the emulated peers
             (:mod:`precisiondiff.comparators.peers`) from the DUT's own inputs:
             ``{"float32": [...] or None, "decomposition": [...] or None}``.
+        on_device: called with a device, runs the op there on the DUT's own inputs in their
+            recorded dtypes (a real peer implementation: ``bisect --peer``); its outputs on the
+            CPU, or None when it cannot run there.
     """
 
     golden: List[torch.Tensor]
@@ -165,6 +168,7 @@ class OpReplay:
     ks: List[Optional[int]]
     peers: Callable[[List[Optional[torch.dtype]]], Dict[str, Optional[List[Optional[torch.Tensor]]]]]
     magnitudes_of: Callable[[], Optional[List[torch.Tensor]]] = lambda: None
+    on_device: Callable[[str], Optional[List[torch.Tensor]]] = lambda device: None
 
 
 def _keep_dtype(device: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -184,10 +188,11 @@ def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool
     fn = reference_for(ev.name) or resolve_op(ev.name)
 
     def decode(convert: Callable[[torch.Tensor], torch.Tensor],
-               dmap: Callable[[torch.dtype], torch.dtype], absolute: bool = False) -> "tuple[Any, Any]":
+               dmap: Callable[[torch.dtype], torch.dtype], absolute: bool = False,
+               on: Optional[str] = None) -> "tuple[Any, Any]":
         tensor_of = _loader(ev, convert)
         try:
-            args, kwargs = decode_call(ev.args, tensor_of, device=device, dtype_map=dmap)
+            args, kwargs = decode_call(ev.args, tensor_of, device=on or device, dtype_map=dmap)
         except ValueError as err:
             raise Unreplayable(f"{ev.name}: {err}") from err
         if absolute:
@@ -223,7 +228,15 @@ def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool
                                   if reference_for(ev.name) is None else None)
         return found
 
-    return OpReplay(golden, mags, ks, peers, magnitudes_of)
+    def on_device(peer_device: str) -> Optional[List[torch.Tensor]]:
+        try:
+            p_args, p_kwargs = decode(_keep_dtype(peer_device), lambda dt: dt, on=peer_device)
+            with torch.no_grad():
+                return [t.detach().cpu() for t in flatten_tensors(_call(fn, p_args, p_kwargs, ev.name))]
+        except Unreplayable:
+            return None
+
+    return OpReplay(golden, mags, ks, peers, magnitudes_of, on_device)
 
 
 class GoldenMode(TorchDispatchMode):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -11,7 +12,7 @@ import torch
 
 from ..errors import BisectError, PrecisionDiffError, WorkloadError
 from ..capture import MemorySink, capture
-from ..runtime.targets import Target, default_dut
+from ..runtime.targets import Target, checked_held, default_dut, dtype_name
 from ..runtime.workload import RunResult, Workload, call_model, load_workload, run_workload
 from . import compiled
 from .assemble import assemble
@@ -20,6 +21,7 @@ from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_sear
 from .evidence import input_evidence, param_grads_of
 from .findings import resolve_accepts
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
+from .repro import write_culprit_repro
 from .result import BisectResult
 from .cost import cost_figures, step_cost
 from .judge import parity_bound
@@ -46,6 +48,24 @@ def events_from_sink(sink: MemorySink) -> List[UnitEvent]:
         out.append(UnitEvent(e["seq"], e["kind"], e["scope"], e["name"], e["direction"], e["call"],
                              slots, e.get("args"), load, step=e.get("step", 0)))
     return out
+
+
+def peer_of(peer: "str | Target | None", dut: Target) -> "tuple[Optional[str], str]":
+    """``--peer DEVICE[/DTYPE]``: the device of a real second implementation and its name; it runs
+    in the DUT's dtype (DTYPE, when given, must be the DUT's).
+
+    Raises:
+        BisectError: an autocast peer or another dtype; TargetError: an absent device.
+    """
+    if peer is None:
+        return None, ""
+    spec = str(peer)
+    target = Target.parse(spec if "/" in spec else f"{spec}/{dtype_name(dut.dtype)}")
+    if target.autocast or target.dtype != dut.dtype:
+        raise BisectError(f"--peer {spec}: a peer replays the DUT's ops in the DUT's dtype; use "
+                          f"{target.device}/{dtype_name(dut.dtype)}")
+    target.check_available()
+    return target.device, str(target)
 
 
 def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, Dict[str, Any]]]:
@@ -294,7 +314,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
            max_candidates: int = 3, noise: bool = False, confirm: bool = False,
            time_step: bool = False, max_host_memory: Optional[int] = None,
-           accept: Optional[Sequence[str]] = None) -> BisectResult:
+           accept: Optional[Sequence[str]] = None,
+           allow_narrowed: bool = False, repro: "str | os.PathLike | None" = None,
+           max_elements: Optional[int] = None, peer: "str | Target | None" = None) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -331,6 +353,13 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             ``[tool.precisiondiff] accept`` (pyproject.toml or precisiondiff.toml) is added
             (:mod:`precisiondiff.bisect.findings`).
 
+        allow_narrowed: run a float64 target or reference on a device that holds float64 as
+            float32 as the float32 target it is (a note), instead of refusing it.
+        repro, max_elements: write an op culprit's standalone repro into this directory
+            (docs/bisect.md, "Repro"), slicing tensors beyond ``max_elements``.
+        peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT's dtype (docs/bisect.md,
+            "A real peer").
+
     Returns:
         A :class:`BisectResult`.
 
@@ -345,10 +374,10 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     overrides = check_options(direction, budgets)
     accepts = resolve_accepts(accept)
     started = time.perf_counter()
-    dut = Target.parse(target) if target is not None else default_dut()
-    ref_t = Target.parse(ref)
-    dut.check_available()
-    ref_t.check_available()
+    dut, dut_note = checked_held(Target.parse(target) if target is not None else default_dut(),
+                                 allow_narrowed=allow_narrowed)
+    ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
+    peer_device, peer_name = peer_of(peer, dut)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     wl = load_workload(workload, seed=seed)
@@ -403,7 +432,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction,
         max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor,
-        accept=accepts))
+        accept=accepts, peer_device=peer_device, peer_name=peer_name))
     search_s = time.perf_counter() - t1
 
     # The reference run only when something needs it: the verdict (parity or accumulated: no
@@ -491,6 +520,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
                       input_check=input_check)
     result.noise = noise_json
+    result.notes[:0] = [n for n in (dut_note, ref_note) if n]
     if compiled_wl is not None:
         if progress is not None:
             progress(0, 1, "compiled regions vs eager")
@@ -508,5 +538,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         result.notes.append(f"modules compiled in place with Module.compile() ({', '.join(s or '<root>' for s in in_place)}) "
                             "were bisected eagerly, not checked as compiled regions: wrap them with "
                             "torch.compile(module) instead")
+    if repro is not None and culprit_ev is not None and result.culprit is not None:
+        write_culprit_repro(result, culprit_ev, repro, ref_t, max_elements)
     sink.cleanup()
     return result

@@ -17,13 +17,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..errors import BisectError, PrecisionDiffError
-from ..runtime.targets import Target
+from ..runtime.targets import Target, checked_held
 from .assemble import assemble
 from .engine import EngineInput
 from .evidence import finals_of, input_evidence, param_grads_of
 from .findings import resolve_accepts
 from .isolate import UnitEvent
+from .repro import write_culprit_repro
 from .result import BisectResult
+from ..store.schema import tensor_key
 from .substitute import final_errors
 from .training import mark_steps, search_steps
 
@@ -104,7 +106,9 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
                 max_candidates: int = 3,
                 prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None,
-                accept: Optional[Sequence[str]] = None) -> BisectResult:
+                accept: Optional[Sequence[str]] = None,
+                allow_narrowed: bool = False, repro: "str | Path | None" = None,
+                max_elements: Optional[int] = None, peer: "str | Target | None" = None) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -121,6 +125,13 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         prepare: maps the dump's events to those searched (multi-rank bisect leaves collectives
             out and adapts DTensor op calls: :mod:`precisiondiff.bisect.ranks`).
         accept: accepted findings ``["OP[@SCOPE]", ...]`` (see :func:`precisiondiff.bisect.bisect`).
+        allow_narrowed: a float64 ``ref`` on a device that holds float64 as float32 runs as
+            the float32 target it is (a note), instead of being refused.
+        repro, max_elements: write an op culprit's standalone repro into this directory
+            (:mod:`precisiondiff.bisect.repro`), slicing tensors beyond ``max_elements``.
+        peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT's dtype: ops whose
+            peers are needed are also replayed there from the dump's inputs (docs/bisect.md,
+            "A real peer").
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -134,7 +145,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     """
     from ..runtime.workload import load_workload
     from .cost import cost_figures, step_cost
-    from .live import check_options, run_reference
+    from .live import check_options, peer_of, run_reference
     overrides = check_options(direction, budgets)
     accepts = resolve_accepts(accept)
     started = time.perf_counter()
@@ -144,15 +155,15 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         raise BisectError(f"{dut_dump} was captured in {meta.get('mode')!r} mode; bisect needs "
                           "`precisiondiff capture WORKLOAD --mode replay`")
     dut = Target.parse(_dut_target(meta, dump))
-    ref_t = Target.parse(ref)
-    ref_t.check_available()
+    ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
+    peer_device, peer_name = peer_of(peer, dut)
     every = events_from_dump(dump, all_steps=prepare is None)  # training steps: each one judged
     if prepare is not None:
         every = prepare(every)
     events = [e for e in every if e.step == every[0].step] if every else every
-    notes: List[str] = []
+    notes: List[str] = [ref_note] if ref_note else []
     if not meta.get("arg_layouts"):
         notes.append("the dump records no argument layouts (captured before they were recorded): ops replay "
                      "on contiguous copies, so a kernel with a layout-dependent path may round differently")
@@ -186,7 +197,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         module_of=modules.get if modules else None,
         module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(step_events), direction=direction, max_candidates=max_candidates,
-        progress=progress, overrides=overrides, accept=accepts))
+        progress=progress, overrides=overrides, accept=accepts, peer_device=peer_device, peer_name=peer_name))
     if ref_dump is None and wl is not None:  # after the search: only the culprit's scope is kept
         culprit_ev = out.units[out.finding.culprit] if out.finding.culprit is not None else None
         ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events, evidence_for=culprit_ev)
@@ -217,4 +228,11 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         mark_steps(result, out, steps)
         if final is not None:
             result.notes.append(f"the final error is step {events[0].step}'s (the first captured step)")
+    if result.culprit is not None and out.finding.culprit is not None:
+        ev = out.units[out.finding.culprit]
+        # what `precisiondiff repro RESULT.json` reads back: the dump and the culprit's tensors
+        result.culprit["dump"] = os.path.abspath(os.fspath(dut_dump))
+        result.culprit["keys"] = {s: tensor_key(ev.scope, ev.name, ev.call, ev.direction, s) for s in ev.slots}
+        if repro is not None:
+            write_culprit_repro(result, ev, repro, ref_t, max_elements)
     return result

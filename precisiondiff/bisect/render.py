@@ -25,6 +25,15 @@ def summary_lines(r: BisectResult) -> List[str]:
             lines.extend(_region_lines(c))
         elif c["kind"] == "op":
             peer = c.get("peer") or {}
+            real = peer.get("real_peer")
+            if real:
+                found = peer.get("peers") or {}
+                emulated = ", ".join(f"{n} {_num(v)}" for n, v in found.items() if n != real) or "none ran"
+                lenient = max(((n, v) for n, v in found.items() if isinstance(v, (int, float))),
+                              key=lambda nv: nv[1], default=(None, None))[0]
+                lines.append(f"  errors (rel-L2): DUT {_num(peer.get('error'))} | real peer {real} {_num(found.get(real))} "
+                             f"| emulated peers {emulated}; bound {_num(peer.get('bound'))} = x{_num(peer.get('factor'))} "
+                             f"the most lenient peer ({lenient}) + floor {_num(peer.get('floor'))}: the peer rule decided")
             if peer:
                 peers = ", ".join(f"{n} {_num(v)}" for n, v in (peer.get("peers") or {}).items()) or "none ran"
                 lines.append(f"  peer rule: rel-L2 {_num(peer.get('error'))} vs correct peers in its dtype ({peers}), "
@@ -38,6 +47,10 @@ def summary_lines(r: BisectResult) -> List[str]:
                          f"what correct rounding of its ops gives ({_num(loc.get('rel_l2_emulated'))})")
         if c.get("message") and c["kind"] != "compiled_region":  # its lines say it already
             lines.append(f"  {c['message'].splitlines()[0]}")
+        if c.get("repro"):
+            files = ", ".join(f"{n} {s} B" for n, s in c["repro"]["files"].items())
+            lines.append(f"  repro: {c['repro']['dir']} ({files}); python {c['repro']['dir']}/repro.py exits 1 "
+                         "while the kernel is wrong")
         ev = r.evidence
         upstream = ev.get("upstream_units", 0)
         if upstream:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from ..runtime.narrowing import beyond_int32, held_dtype
 from ..store.schema import SUPPORTED_DTYPES, tensor_key
 from .distributed import local_view
 from .stats import StatsBatch
@@ -107,6 +108,26 @@ def _device_name(device: torch.device) -> str:
     if name is None:
         name = _DEVICE_NAMES[device] = str(device)
     return name
+
+
+_F64, _I64 = torch.float64, torch.int64
+_INT64_ON_DEVICE = "_int64_on_device"  # a mark until the statistics say whether it leaves int32
+
+
+def _conversion_marks(device: torch.device, dtype: torch.dtype) -> dict:
+    """Record fields of a 64-bit tensor on an accelerator: ``held_dtype`` where the device holds
+    float64 as float32 (probed once per device), a mark for an int64 (checked at flush)."""
+    if dtype is _I64:
+        return {_INT64_ON_DEVICE: True}
+    held = held_dtype(device, dtype)
+    return {"held_dtype": _dtype_name(held)} if held != dtype else {}
+
+
+def _int32_overflow(record: dict) -> None:
+    """An int64 on an accelerator whose values leave int32 (torch_mlu computes many ops in int32,
+    unchecked): ``int32_overflow`` with its range."""
+    if record.pop(_INT64_ON_DEVICE, False) and beyond_int32(record.get("stats")):
+        record["int32_overflow"] = {"min": record["stats"]["min"], "max": record["stats"]["max"]}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -234,6 +255,10 @@ class Recorder:
         device = t.device
         if device.type != "cpu":
             self._streams.note(device)
+            if t.dtype is _F64 or t.dtype is _I64:
+                marks = _conversion_marks(device, t.dtype)
+                if marks:
+                    extra = {**(extra or {}), **marks}
         # _identity(t), inline: this runs for every tensor of every op
         try:
             version = t._version
@@ -414,6 +439,8 @@ class Recorder:
                           "data_key": data_key}
                 if extra:
                     record.update(extra)
+                    if _INT64_ON_DEVICE in extra:
+                        _int32_overflow(record)
                 tensors.append(record)
                 if data_key is not None:
                     copy = self._data.pop(data_key, None)

@@ -12,9 +12,9 @@ from .filters import parse_selection
 from .replace import replacing
 from .observer import compare_snapshots, restored_rng, rng_state, set_rng_state, snapshot
 from ..runtime.copying import copy_model
-from ..runtime.targets import Target, default_dut
+from ..runtime.targets import Target, checked_held, default_dut
 from ..runtime.training import Trainer, train_step
-from ..runtime.workload import load_workload
+from ..runtime.workload import load_workload, run_workload
 
 __all__ = ["capture_workload", "capture_script"]
 
@@ -48,10 +48,18 @@ def _params(workload, model) -> list:
     return [(f"param.{name}", p.detach()) for name, p in model.named_parameters()]
 
 
+def _handoff_line(path: "str | os.PathLike", spec: str) -> str:
+    """What to copy to another machine to bisect this replay dump there, and how big it is."""
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    return (f"to bisect on another machine (it needs neither the device nor its extension) copy {path} "
+            f"({size / 2 ** 20:.1f} MiB, the whole directory) and run: precisiondiff bisect {path} "
+            f"[--workload {spec}] [--peer DEVICE/DTYPE]")
+
+
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
                      level: str = "all", mode: str = "stats", format: str = "safetensors",
                      seed: int = 0, steps: Optional[str] = None, train: bool = False, repeat: int = 1,
-                     overwrite: bool = False, **filters) -> str:
+                     overwrite: bool = False, allow_narrowed: bool = False, **filters) -> str:
     """Build the workload (seeded), move it to ``target``, run and capture it.
 
     Steps after the first rerun the same forward/backward (gradients zeroed), which is how
@@ -62,17 +70,21 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
     Returns:
         A one-paragraph summary for the terminal.
 
+    ``allow_narrowed``: a float64 target on a device that holds float64 as float32 (torch_mlu)
+    runs, and is recorded, as the float32 target it is (``meta.target_asked`` keeps what was
+    asked); without it such a target is refused.
+
     Raises:
         PrecisionDiffError: bad workload, target or output directory; disk full.
     """
-    tgt = Target.parse(target) if target is not None else default_dut()
-    tgt.check_available()
+    asked = Target.parse(target) if target is not None else default_dut()
+    tgt, held_note = checked_held(asked, allow_narrowed=allow_narrowed)
     workload = load_workload(spec, seed=seed)
     if steps is None:
         steps = "0" if workload.steps == 1 else f"0-{workload.steps - 1}"
     selection = parse_selection(steps)
     n_steps = (max(selection) + 1) if selection else 1
-    lines = []
+    lines = [f"warning: {held_note}"] if held_note else []
     for run in range(repeat):
         path = os.path.join(out, f"run{run}") if repeat > 1 else out
         model = tgt.prepare_model(workload.model)
@@ -82,6 +94,8 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
                 "backward": workload.loss is not None, "repeat": run,
                 "optimizer": workload.optimizer is not None}
+        if held_note:
+            meta["target_asked"] = str(asked)
         with replacing(path, overwrite) as target_dir:
             # observer effect: step 0 again without capture, from the same weights (a copy taken
             # before any hook) and the same RNG state
@@ -109,6 +123,8 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         written = cap.recorder.events_written
         loss = f", loss {result.loss.item():.6g}" if result.loss is not None else ""
         lines.append(f"captured {written} events of {spec} on {tgt} ({level}/{mode}{loss}) into {path}")
+        if mode == "replay":
+            lines.append(_handoff_line(path, spec))
         if observed is not None and not observed["bitwise_equal"]:
             what = ", ".join(d["what"] for d in observed["differs"][:4])
             lines.append(f"warning: the captured step differs from the same step without capture ({what}); "

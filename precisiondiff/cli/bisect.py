@@ -63,8 +63,18 @@ def _progress():
                    "and bisect it; the script's arguments go after --")
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="with --script: keep the dumps in this directory (default: a temporary one, removed)")
+@click.option("--allow-narrowed", "allow_narrowed", is_flag=True,
+              help="a float64 target or reference on a device that holds float64 as float32 (torch_mlu) "
+                   "runs as the float32 target it is, with a note, instead of being refused")
+@click.option("--repro", "repro_dir", type=click.Path(file_okay=False), default=None,
+              help="write an op culprit as a standalone repro into this directory (precisiondiff repro)")
+@click.option("--max-elements", "max_elements", type=int, default=None,
+              help="with --repro: slice the culprit's tensors to about this many elements, keeping its failing rows")
+@click.option("--peer", default=None, metavar="DEVICE[/DTYPE]",
+              help="a real second implementation (another device) in the DUT's dtype: judged ops are replayed "
+                   "there too and its error joins the emulated peers' (e.g. cuda/bf16, cpu/bf16)")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, accept, noise,
-           confirm, card_path, script, keep) -> None:
+           confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements, peer) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
@@ -82,6 +92,10 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                           "(see 'precisiondiff bisect --help')")
     multi = is_multi_rank(source)
     offline = multi or (os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")))
+    if (repro_dir is not None or max_elements is not None or peer is not None) and (multi or script is not None):
+        raise BisectError("--repro and --peer work with a WORKLOAD or a single-rank DUT_DUMP")
+    if max_elements is not None and repro_dir is None:
+        raise BisectError("--max-elements goes with --repro DIR")
     if multi and ref_dump is not None:
         raise BisectError(f"{source} holds several ranks: REF_DUMP is not supported for a multi-rank job yet "
                           "(each rank's ops and the collectives are judged from the DUT's own inputs)")
@@ -116,11 +130,14 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                 _tell_torchrun(result)
         elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
-                                 budgets=list(budgets), progress=progress, accept=list(accept))
+                                 budgets=list(budgets), progress=progress, accept=list(accept),
+                                 allow_narrowed=allow_narrowed, repro=repro_dir, max_elements=max_elements,
+                                 peer=peer)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,
-                              accept=list(accept))
+                              accept=list(accept), allow_narrowed=allow_narrowed, repro=repro_dir,
+                              max_elements=max_elements, peer=peer)
     _emit(result, card, multi, fmt, out)
 
 

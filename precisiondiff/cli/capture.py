@@ -23,6 +23,9 @@ __all__ = ["capture", "refuse_workload_with_script"]
 @click.option("--overwrite", is_flag=True,
               help="replace an existing dump in OUT once the capture succeeded (under torchrun: once, "
                    "by one process, after every rank finished)")
+@click.option("--allow-narrowed", "allow_narrowed", is_flag=True,
+              help="run a float64 target on a device that holds float64 as float32 (torch_mlu) as the "
+                   "float32 target it is, recorded so, instead of refusing it")
 @click.option("--max-host-memory", "max_host_memory", default="2GiB", show_default=True, metavar="SIZE",
               help="host memory for tensor copies waiting to be written (tensors/replay modes), e.g. 512MiB")
 @click.option("--gather-full", "gather_full", is_flag=True,
@@ -33,7 +36,7 @@ __all__ = ["capture", "refuse_workload_with_script"]
               help="fsync the dump at every batch, not only at close (survives a power loss, costs a few ms each)")
 def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, op, op_exclude,
             steps, ranks, script, views, train, repeat, overwrite, max_host_memory, gather_full,
-            gather_only, durable) -> None:
+            gather_only, durable, allow_narrowed) -> None:
     """Capture a workload (path/file.py:fn, package.module:fn or hf:PATH) or a script into a dump."""
     from ..capture.runner import capture_script, capture_workload
     filters = dict(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
@@ -45,6 +48,8 @@ def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, 
                                      "itself; capture a WORKLOAD to choose the target")
         if repeat != 1:
             raise PrecisionDiffError("--repeat works with a WORKLOAD, not with --script")
+        if allow_narrowed:
+            raise PrecisionDiffError("--allow-narrowed goes with --target, which --script does not take")
         summary = capture_script(script, list(argv), out, level=level, mode=mode, format=format,
                                  steps=steps, seed=seed, overwrite=overwrite, **filters)
     else:
@@ -58,7 +63,7 @@ def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, 
             raise PrecisionDiffError("--repeat must be at least 1")
         summary = capture_workload(argv[0], out, target=target, level=level, mode=mode, format=format,
                                    seed=seed, steps=steps, train=train, repeat=repeat,
-                                   overwrite=overwrite, **filters)
+                                   overwrite=overwrite, allow_narrowed=allow_narrowed, **filters)
     click.echo(summary)
 
 

@@ -147,11 +147,11 @@ def compare(a: PathLike, b: PathLike, *, scope: Optional[str] = None, op: Option
     if _same_target(dump_a.meta, dump_b.meta):
         comparison.determinism = _determinism(rows, dump_a.meta.get("target"))
     _add_notes(comparison)
-    from ..store.notes import meta_notes
+    from ..store.notes import dump_conversion_notes, meta_notes
     for side, dump in (("A", dump_a), ("B", dump_b)):
         for rank, sub in sorted(dump.ranks.items()):
             where = f"{side} rank{rank}" if len(dump.ranks) > 1 else side
-            comparison.notes += [f"{where}: {n}" for n in meta_notes(sub.meta)]
+            comparison.notes += [f"{where}: {n}" for n in meta_notes(sub.meta) + dump_conversion_notes(sub)]
     if only_failing:
         comparison.rows = [r for r in rows if r.verdict == "fail"]
     for d in (dump_a, dump_b, dump_n):

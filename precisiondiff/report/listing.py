@@ -44,7 +44,7 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
 
     from ..capture.filters import compile_regex
     from ..store import load
-    from ..store.notes import meta_notes
+    from ..store.notes import conversion_notes, meta_notes
     scope_re, name_re = compile_regex(scope, "--scope"), compile_regex(name, "--name")
     dump = load(path)
     meta = dump.meta
@@ -63,8 +63,12 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
     shown = events = tensors = stored = 0
     target_device = str(meta.get("target", "")).split("/")[0]
     fallbacks: dict = {}  # op name -> events that ran on another device than the target's
+    held: list = []  # (event, record) of float64 tensors the device held as float32
+    overflows: list = []  # (event, record) of int64 tensors on the device beyond int32
     for ev in dump.events():
         events += 1
+        held += [(ev, t) for t in ev.tensors if t.held_dtype]
+        overflows += [(ev, t) for t in ev.tensors if t.int32_overflow]
         moved = bool(target_device) and target_device not in ("script", "?") and bool(ev.device) and \
             ev.device.split(":")[0] != target_device.split(":")[0]
         if moved:
@@ -84,7 +88,9 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
             head = (str(ev.seq), str(ev.step), ev.kind, {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}.get(ev.direction, ev.direction), ev.scope or "(root)", ev.name,
                     str(ev.call), device) if i == 0 else ("",) * 8
             data = format_bytes(_nbytes(t.dtype, list(t.shape))) if t.has_data else "-"
-            table.add_row(*head, t.slot, t.dtype, "x".join(map(str, t.shape)) or "()",
+            dtype = (f"[red]{t.dtype} (held {t.held_dtype})[/]" if t.held_dtype else
+                     f"[red]{t.dtype} (beyond int32)[/]" if t.int32_overflow else t.dtype)
+            table.add_row(*head, t.slot, dtype, "x".join(map(str, t.shape)) or "()",
                           format_number(s.get("min")), format_number(s.get("max")), format_number(s.get("mean")),
                           format_number(s.get("norm")), f"[red]{naninf}[/]" if bad else naninf, data)
     console.print(table)
@@ -93,4 +99,7 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
         names = ", ".join(f"{name} x{n}" for name, n in sorted(fallbacks.items()))
         console.print(f"[red]{sum(fallbacks.values())} events ran off the {target_device} device[/] (an op the "
                       f"device has no kernel for runs through its backend's CPU fallback): {names}")
+    for line in conversion_notes(held, overflows):
+        console.print(f"[red]{line}[/]")
     return shown
+

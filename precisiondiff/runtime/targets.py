@@ -41,6 +41,7 @@ __all__ = [
     "move_inputs",
     "complex_dtype",
     "import_backends",
+    "checked_held",
 ]
 
 # Short dtype names accepted on the command line, and the canonical spelling we print.
@@ -211,8 +212,10 @@ class Target:
             return False
         return True
 
-    def check_available(self) -> None:
-        """Raise a :class:`TargetError` saying what to do when the device is missing."""
+    def check_available(self, *, allow_narrowed: bool = False) -> None:
+        """Raise a :class:`TargetError` saying what to do when the device is missing, or when a
+        float64 target's device holds float64 as float32 (torch_mlu: docs/mlu.md, "Silent
+        conversions") unless ``allow_narrowed`` (then use :meth:`held`)."""
         if self.device_type == "cpu":
             return
         module = device_module(self.device_type)
@@ -223,6 +226,22 @@ class Target:
         if index is not None and index >= module.device_count():
             raise TargetError(f"target {self}: device index {index} out of range "
                               f"({module.device_count()} {self.device_type} devices)")
+        if not allow_narrowed and self.dtype == torch.float64:
+            held = self.held()
+            if held != self:
+                raise TargetError(f"target {self}: the {self.device_type} device holds float64 tensors as "
+                                  f"{str(held.dtype).removeprefix('torch.')} (a float64 copied to it reads back rounded), so "
+                                  f"it would run as {held}; use cpu/float64 as the reference, or pass "
+                                  f"--allow-narrowed to run and record it as {held}")
+
+    def held(self) -> "Target":
+        """This target as its device really runs it: ``mlu/float64`` is ``mlu/fp32`` on a device
+        that narrows float64 (probed: :func:`precisiondiff.runtime.narrowing.held_dtype`)."""
+        from .narrowing import held_dtype
+        if self.device_type == "cpu" or self.dtype != torch.float64:
+            return self
+        dtype = held_dtype(self.device, self.dtype)
+        return self if dtype == self.dtype else Target(self.device, dtype, self.autocast)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (no-op on the CPU)."""
@@ -269,6 +288,21 @@ def complex_dtype(dtype: torch.dtype) -> torch.dtype:
     complex64 for float32 and narrower (bf16, fp16, float8: torch has no complex of those that
     its kernels support)."""
     return torch.complex128 if dtype == torch.float64 else torch.complex64
+
+
+def checked_held(target: Target, *, allow_narrowed: bool = False) -> "tuple[Target, Optional[str]]":
+    """:meth:`Target.check_available`, then the target as its device really runs it and, when
+    that is not what was asked (``allow_narrowed``), a sentence saying so.
+
+    Raises:
+        TargetError: the device is missing, or narrows a float64 target and ``allow_narrowed`` is off.
+    """
+    target.check_available(allow_narrowed=allow_narrowed)
+    held = target.held()
+    if held == target:
+        return target, None
+    return held, (f"{target} asked, but the {target.device_type} device holds float64 as "
+                  f"{str(held.dtype).removeprefix('torch.')}: it ran and is recorded as {held}")
 
 
 def move_inputs(value: Any, device: "str | torch.device", dtype: "torch.dtype | None") -> Any:

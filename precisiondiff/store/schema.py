@@ -158,6 +158,10 @@ class TensorRecord:
         data_key: name of the stored data; equals ``key`` unless the record aliases a tensor
             stored earlier; ``None`` when no data was stored (stats mode).
         shard: the file holding ``data_key`` (``shard-00000.safetensors`` or ``data.h5``).
+        held_dtype: the dtype whose values the device really held, where it differs from
+            ``dtype`` (a float64 on a device that holds it as float32: torch_mlu); else None.
+        int32_overflow: ``{"min", "max"}`` of an int64 on an accelerator whose values leave
+            int32 (torch_mlu computes many int64 ops in int32, unchecked); else None.
     """
 
     key: str
@@ -167,6 +171,8 @@ class TensorRecord:
     stats: Dict[str, Any] = dataclasses.field(default_factory=dict)
     data_key: Optional[str] = None
     shard: Optional[str] = None
+    held_dtype: Optional[str] = None
+    int32_overflow: Optional[Dict[str, Any]] = None
 
     @property
     def has_data(self) -> bool:
@@ -180,9 +186,14 @@ class TensorRecord:
 
     def to_dict(self) -> Dict[str, Any]:
         """Return the JSON-ready dict of this record."""
-        return {"key": self.key, "slot": self.slot, "dtype": self.dtype,
-                "shape": list(self.shape), "stats": dict(self.stats),
-                "data_key": self.data_key, "shard": self.shard}
+        out = {"key": self.key, "slot": self.slot, "dtype": self.dtype,
+               "shape": list(self.shape), "stats": dict(self.stats),
+               "data_key": self.data_key, "shard": self.shard}
+        if self.held_dtype is not None:
+            out["held_dtype"] = self.held_dtype
+        if self.int32_overflow is not None:
+            out["int32_overflow"] = dict(self.int32_overflow)
+        return out
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> "TensorRecord":
@@ -194,7 +205,8 @@ class TensorRecord:
         return cls(key=str(obj["key"]), slot=str(obj.get("slot", "")),
                    dtype=str(obj["dtype"]), shape=tuple(int(s) for s in obj["shape"]),
                    stats=dict(obj.get("stats") or {}), data_key=obj.get("data_key"),
-                   shard=obj.get("shard"))
+                   shard=obj.get("shard"), held_dtype=obj.get("held_dtype"),
+                   int32_overflow=obj.get("int32_overflow"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -213,13 +213,15 @@ def _kernel_check(bisect: Dict[str, Any], direction: Optional[str]) -> TensorChe
 
 
 def _run_bisect(workload: Workload, dut: Target, ref: Target, direction: Optional[str] = None,
-                accept: Optional[List[str]] = None) -> Tuple[Optional[Dict[str, Any]], str]:
+                accept: Optional[List[str]] = None,
+                repro: Optional[str] = None) -> Tuple[Optional[Dict[str, Any]], str]:
     try:
         from ..bisect import bisect as run_bisect  # type: ignore[attr-defined]
     except ImportError:
         return None, "bisect is not available in this build"
     try:
-        result = run_bisect(workload, target=str(dut), ref=str(ref), direction=direction, accept=accept)
+        result = run_bisect(workload, target=str(dut), ref=str(ref), direction=direction, accept=accept,
+                            repro=repro)
     except PrecisionDiffError as err:
         return None, f"bisect could not run: {err}"
     data = result.to_json() if hasattr(result, "to_json") else result
@@ -247,7 +249,8 @@ def check(workload: Any, inputs: Any = None, *, target: "str | Target | None" = 
             ``kernel`` verdict fails the check even when the final output is within budget
             (a small model can hide a kernel bug that a large one amplifies).
         direction: with ``kernels``, search ``"forward"`` or ``"backward"`` units only.
-        dump_dir: on failure, keep dumps of both runs under this directory.
+        dump_dir: on failure, keep dumps of both runs under this directory, and the bisect
+            culprit's standalone repro in ``dump_dir/repro`` (docs/bisect.md, "Repro").
         accept: findings accepted in the bisect, ``["OP[@SCOPE]", ...]`` (:func:`precisiondiff.bisect.bisect`).
         **budgets: ``rel_l2`` (default ``PARITY_FACTOR * u``), ``max_ulp``, ``min_cosine``.
 
@@ -274,18 +277,22 @@ def check(workload: Any, inputs: Any = None, *, target: "str | Target | None" = 
     for key, tensor in actual.items():
         if key in expected:
             result.checks.append(_judge(key, tensor, expected[key], bound))
+    repro = os.path.join(dump_dir, "repro") if dump_dir is not None else None
     if kernels:
-        result.bisect, result.bisect_error = _run_bisect(built, dut, golden, direction=direction, accept=accept)
+        result.bisect, result.bisect_error = _run_bisect(built, dut, golden, direction=direction, accept=accept,
+                                                         repro=repro)
         if result.bisect is None:
             raise PrecisionDiffError(f"kernels=True needs bisect: {result.bisect_error}")
         result.checks.append(_kernel_check(result.bisect, direction))
     elif not result.passed:
         if bisect:
-            result.bisect, result.bisect_error = _run_bisect(built, dut, golden, accept=accept)
+            result.bisect, result.bisect_error = _run_bisect(built, dut, golden, accept=accept, repro=repro)
         else:
             result.bisect_error = "bisect disabled (--no-parity-bisect)"
         if dump_dir is not None:
             result.dumps = _capture_pair(built, dut, golden, dump_dir)
+    if repro is not None and ((result.bisect or {}).get("culprit") or {}).get("repro"):
+        result.dumps["repro"] = repro
     return result
 
 
@@ -325,7 +332,8 @@ def _abs_inputs(value: Any) -> Any:
 
 def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None" = None,
              ref: "str | Target | None" = None, name: Optional[str] = None,
-             kwargs: Optional[Dict[str, Any]] = None, **budgets: Any) -> ParityResult:
+             kwargs: Optional[Dict[str, Any]] = None, dump_dir: Optional[str] = None,
+             peer: "str | Target | None" = None, **budgets: Any) -> ParityResult:
     """Run one function or op on the DUT and on the reference (the DUT's inputs, upcast).
 
     With no budget given, each floating output is judged by the peer rule, as bisect judges a
@@ -341,6 +349,11 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         target, ref: as in :func:`check`.
         name: the op name used to pick its budget class (default: derived from ``fn``).
         kwargs: keyword arguments for ``fn``.
+        dump_dir: when the peer rule fails an ATen overload ``fn``, write its standalone repro
+            into ``dump_dir/repro`` (docs/bisect.md, "Repro").
+        peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT dtype: where the
+            peers are computed, ``fn`` also runs there on the DUT's inputs and its error joins
+            theirs (docs/bisect.md, "A real peer").
         **budgets: ``max_ulp`` (per element, ULPs of the DUT dtype), ``rel_l2``, ``min_cosine``;
             with none, the peer rule judges.
 
@@ -360,6 +373,10 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     golden.check_available()
     kwargs = dict(kwargs or {})
     name = name or _op_name(fn)
+    real_peer = None
+    if peer is not None:
+        from ..bisect.live import peer_of
+        real_peer = peer_of(peer, dut)
     bound = _bounds(dut.dtype, budgets)
     dut_in = dut.prepare_inputs((inputs, kwargs))
     ref_in = move_inputs(dut_in, golden.device, golden.dtype)
@@ -379,6 +396,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     outs = _keyed_outputs(actual)
     in_dtypes = [t.dtype for t in _tensors(dut_in) if t.is_floating_point()]
     peers: Optional[Dict[str, List[Optional[torch.Tensor]]]] = None
+    failed: Dict[int, Any] = {}  # output index -> (peer verdict, magnitude, k, compute dtype)
     for index, (key, out) in enumerate(outs):
         exp = expected_by_key[key]
         if bound and set(bound) != {"max_ulp"}:
@@ -400,7 +418,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         pv = judge_against_peers(out.detach(), exp.detach(), {}, magnitude=mag, k=k, dtype=cdt, what=key)
         if not pv.passed:
             if peers is None:
-                peers = _op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op)
+                peers = _op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op, real_peer)
             pv = judge_against_peers(out.detach(), exp.detach(),
                                      {n: (p[index] if index < len(p) else None) for n, p in peers.items()},
                                      magnitude=mag, k=k, dtype=cdt, what=key)
@@ -411,11 +429,31 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         if k is not None:
             shown["k"] = k
         result.checks.append(TensorCheck(key, pv.passed, _metrics(out, exp), shown, pv.message))
+        if not pv.passed:
+            failed[index] = (pv, mag, k, cdt)
+    if failed and dump_dir is not None and isinstance(fn, torch._ops.OpOverload):
+        result.dumps["repro"] = _write_op_repro(fn, dut_in, outs, expected_by_key, failed, dut, golden,
+                                                os.path.join(dump_dir, "repro"))
     return result
 
 
+def _write_op_repro(fn: Any, dut_in: Any, outs: List[Tuple[str, torch.Tensor]], expected: Dict[str, torch.Tensor],
+                    failed: Dict[int, Any], dut: Target, golden: Target, out_dir: str) -> str:
+    """The repro of a failing ``check_op`` (precisiondiff.bisect.repro)."""
+    from ..bisect.repro import case_from_call, write_repro
+    verdicts = {i: pv.as_dict() for i, (pv, _, _, _) in failed.items()}
+    n = len(outs)
+    mags = [failed[i][1] if i in failed else None for i in range(n)]
+    ks = [failed[i][2] if i in failed else None for i in range(n)]
+    dtype = next(iter(failed.values()))[3]
+    case = case_from_call(fn, dut_in[0], dut_in[1], [t for _, t in outs], [expected[k] for k, _ in outs], verdicts,
+                          mags, ks, target=str(dut), ref=str(golden), dtype=dtype)
+    write_repro(case, out_dir)
+    return out_dir
+
+
 def _op_peers(fn: Callable[..., Any], dut_in: Any, golden: Target, out_dtypes: List[torch.dtype],
-              dut_op: Any) -> Dict[str, List[Optional[torch.Tensor]]]:
+              dut_op: Any, real_peer: Optional[Tuple[Optional[str], str]] = None) -> Dict[str, List[Optional[torch.Tensor]]]:
     """The emulated peers of ``fn`` on the DUT's inputs: per peer, its outputs in the order of
     :func:`_keyed_outputs` (None where it could not run). The decomposition peer only when
     ``fn`` dispatched one op (``dut_op``, a :class:`LastOp`): Python code around it would run
@@ -433,4 +471,8 @@ def _op_peers(fn: Callable[..., Any], dut_in: Any, golden: Target, out_dtypes: L
     for label, outs in (("float32", float32_peer(fn, up[0], up[1], out_dtypes)), ("decomposition", single)):
         if outs is not None:
             found[label] = outs
+    if real_peer is not None and real_peer[0] is not None:  # the same inputs, on the peer's device
+        on = move_inputs(dut_in, real_peer[0], None)
+        with torch.no_grad():
+            found[real_peer[1]] = [t.cpu() for _, t in _keyed_outputs(fn(*on[0], **on[1]))]
     return found

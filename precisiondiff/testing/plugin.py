@@ -273,7 +273,8 @@ class ParityFixture:
         return self._finish(result, expect)
 
     def check_op(self, fn: Callable[..., Any], *inputs: Any, expect: bool = True,
-                 kwargs: Optional[Dict[str, Any]] = None, name: Optional[str] = None, **options: Any) -> Any:
+                 kwargs: Optional[Dict[str, Any]] = None, name: Optional[str] = None,
+                 peer: Optional[str] = None, **options: Any) -> Any:
         """Run one function or op on the DUT and on the reference (the DUT's inputs upcast).
 
         Args:
@@ -282,6 +283,8 @@ class ParityFixture:
             expect: fail the test on a divergence (False: just return the result).
             kwargs: its keyword arguments.
             name: the op name choosing its budget class (default: from ``fn``).
+            peer: ``DEVICE[/DTYPE]``, a real second implementation whose error joins the
+                emulated peers' (``parity.check_op``).
             **options: target, ref and budgets (rel_l2, max_ulp, min_cosine); ``kernels`` does not
                 apply (the op itself is what is judged).
 
@@ -292,7 +295,7 @@ class ParityFixture:
         from . import parity
         s, budgets = self._settings(options)
         result = parity.check_op(fn, *inputs, target=s.target, ref=s.ref, name=name, kwargs=kwargs,
-                                 **budgets)
+                                 dump_dir=self._dump_dir(), peer=peer, **budgets)
         return self._finish(result, expect)
 
 

@@ -88,9 +88,11 @@ class ParityResult:
                 if self.kind == "workload":
                     lines.extend(_culprit_lines(self.bisect, self.bisect_error))
                 lines.append(failures[0].message)
-        if self.dumps:
+        if self.dumps.get("dut"):
             lines.append(f"dumps kept: precisiondiff report {self.dumps.get('dut')} {self.dumps.get('ref')} "
                          "-o report.html")
+        if self.dumps.get("repro"):
+            lines.append(f"repro of the failing op: python {self.dumps['repro']}/repro.py (exits 1 while it is wrong)")
         return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ def standin():
         pytest.skip("controls of the stand-in accelerator; real MLU kernels are what they are")
     backend.set_unimplemented(backend.DEFAULT_UNIMPLEMENTED)
     backend.reset_fallback_counts()
-    with backend.planted(gemm_chunk=0, truncate_cast=False, ftz=False, warn=False):
+    with backend.planted(gemm_chunk=0, truncate_cast=False, ftz=False, warn=False, narrow_float64=False,
+                         narrow_int64=()):
         yield backend
     backend.set_unimplemented(backend.DEFAULT_UNIMPLEMENTED)

@@ -13,7 +13,13 @@ Vendor-like behaviour, set from Python or from the environment of a fresh proces
 * planted numerics: :func:`plant` (``gemm_chunk``: bf16 GEMMs accumulate in bf16 every
   ``gemm_chunk`` terms; ``truncate_cast``: fp32->bf16 casts on the device round toward zero;
   ``ftz``: device kernels flush subnormal results to zero),
-  ``MLU_STANDIN_PLANT=gemm_chunk=1,truncate_cast,ftz``.
+  ``MLU_STANDIN_PLANT=gemm_chunk=1,truncate_cast,ftz``;
+* torch_mlu's silent conversions, off by default (docs/mlu.md, "Silent conversions"):
+  ``narrow_float64`` (float64 copied to the device holds float32 values, with one warning;
+  device kernels on float64 compute in float32) and ``narrow_int64`` (the ops named read and
+  write their int64 tensors as int32, wrapping without a check):
+  ``plant(narrow_float64=True, narrow_int64=("cumsum",))``,
+  ``MLU_STANDIN_PLANT=narrow_float64,narrow_int64=cumsum:add.Tensor``.
 """
 from __future__ import annotations
 
@@ -41,7 +47,8 @@ _OWN = {"empty.memory_format", "empty_strided", "as_strided", "view", "_reshape_
         "set_.source_Storage_storage_offset", "_copy_from", "_copy_from_and_resize",
         "_local_scalar_dense", "mm", "bmm", "addmm"}
 
-_state = {"gemm_chunk": 0, "truncate_cast": False, "ftz": False, "warn": False}
+_state = {"gemm_chunk": 0, "truncate_cast": False, "ftz": False, "warn": False,
+          "narrow_float64": False, "narrow_int64": ()}
 _unimplemented: "tuple[str, ...]" = ()
 build_seconds: Optional[float] = None
 
@@ -63,8 +70,14 @@ def build(*, verbose: bool = False) -> float:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     start = time.perf_counter()
-    cpp_extension.load(name="mlu_standin", sources=[SOURCE], build_directory=BUILD_DIR,
-                       extra_cflags=["-O1"], is_python_module=False, verbose=verbose)
+    built = os.path.join(BUILD_DIR, "mlu_standin.so")
+    if os.path.isfile(built) and os.path.getmtime(built) >= os.path.getmtime(SOURCE):
+        # built from this source already: loaded as is, also by a copy of this package elsewhere
+        # (a repro test's isolated process) that points MLU_STANDIN_BUILD_DIR here
+        torch.ops.load_library(built)
+    else:
+        cpp_extension.load(name="mlu_standin", sources=[SOURCE], build_directory=BUILD_DIR,
+                           extra_cflags=["-O1"], is_python_module=False, verbose=verbose)
     build_seconds = time.perf_counter() - start
     return build_seconds
 
@@ -112,13 +125,19 @@ def unimplemented() -> "tuple[str, ...]":
 
 
 def plant(*, gemm_chunk: Optional[int] = None, truncate_cast: Optional[bool] = None,
-          ftz: Optional[bool] = None, warn: Optional[bool] = None) -> None:
-    """Switch planted numerics (and the fallback warning) on or off; None keeps a setting."""
-    for key, value in (("gemm_chunk", gemm_chunk), ("truncate_cast", truncate_cast), ("ftz", ftz), ("warn", warn)):
+          ftz: Optional[bool] = None, warn: Optional[bool] = None, narrow_float64: Optional[bool] = None,
+          narrow_int64: Optional[Iterable[str]] = None) -> None:
+    """Switch planted numerics, the silent conversions (and the fallback warning) on or off;
+    None keeps a setting. ``narrow_int64``: the ops (``cumsum``, ``add.Tensor``) that narrow."""
+    for key, value in (("gemm_chunk", gemm_chunk), ("truncate_cast", truncate_cast), ("ftz", ftz), ("warn", warn),
+                       ("narrow_float64", narrow_float64)):
         if value is not None:
             _state[key] = value
+    if narrow_int64 is not None:
+        _state["narrow_int64"] = tuple(_op_key(op) for op in narrow_int64)
     torch.ops.mlu_standin.configure(int(_state["gemm_chunk"]), bool(_state["truncate_cast"]),
                                     bool(_state["ftz"]), bool(_state["warn"]))
+    torch.ops.mlu_standin.configure_narrowing(bool(_state["narrow_float64"]), list(_state["narrow_int64"]))
 
 
 @contextlib.contextmanager
@@ -164,8 +183,12 @@ def _from_env() -> None:
     for item in filter(None, (s.strip() for s in os.environ.get("MLU_STANDIN_PLANT", "").split(","))):
         key, _, value = item.partition("=")
         if key not in _state:
-            raise ValueError(f"MLU_STANDIN_PLANT: unknown setting {key!r} (gemm_chunk=N, truncate_cast, ftz, warn)")
-        settings[key] = int(value) if key == "gemm_chunk" else value.lower() not in ("0", "false", "no")
+            raise ValueError(f"MLU_STANDIN_PLANT: unknown setting {key!r} (gemm_chunk=N, truncate_cast, ftz, "
+                             "warn, narrow_float64, narrow_int64=op:op)")
+        if key == "narrow_int64":
+            settings[key] = tuple(filter(None, value.replace("+", ":").split(":")))
+        else:
+            settings[key] = int(value) if key == "gemm_chunk" else value.lower() not in ("0", "false", "no")
     if os.environ.get("MLU_STANDIN_FALLBACK_WARN"):
         settings["warn"] = True
     plant(**settings)

@@ -45,6 +45,17 @@ def test_event_round_trip():
     assert Event.from_json(ev.to_dict()) == ev
 
 
+def test_conversion_fields_round_trip_and_stay_absent_when_unset():
+    held = TensorRecord("k", "output.0", "float64", (2,), {"max": 1.0}, held_dtype="float32")
+    wide = TensorRecord("j", "input.0", "int64", (2,), {"min": 0.0, "max": 3e9},
+                        int32_overflow={"min": 0.0, "max": 3e9})
+    plain = TensorRecord("i", "input.1", "int64", (2,), {})
+    for rec in (held, wide, plain):
+        assert TensorRecord.from_dict(rec.to_dict()) == rec
+    assert "held_dtype" not in plain.to_dict() and "int32_overflow" not in plain.to_dict()
+    assert TensorRecord.from_dict({"key": "k", "dtype": "float64", "shape": [2]}).held_dtype is None
+
+
 def test_event_from_json_errors():
     with pytest.raises(ValueError):
         Event.from_json("[1, 2]")

@@ -3,7 +3,8 @@
 // run the CPU's ATen kernels on that memory through aliasing CPU tensors, so in-place ops and
 // views behave as on a real device. Like a vendor backend, it leaves a configurable set of ops
 // unimplemented (they reach a boxed fallback that copies to the CPU and back), and it can plant
-// numerical defects (narrow GEMM accumulator, truncating fp32->bf16 cast, flush-to-zero).
+// numerical defects (narrow GEMM accumulator, truncating fp32->bf16 cast, flush-to-zero) and
+// torch_mlu's silent conversions (float64 held as float32, int64 narrowed to int32 in some ops).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
@@ -151,6 +152,12 @@ std::atomic<int64_t> g_gemm_chunk{0};     // > 0: bf16 GEMMs accumulate in bf16 
 std::atomic<bool> g_truncate_cast{false};  // fp32 -> bf16 on the device rounds toward zero
 std::atomic<bool> g_ftz{false};            // device kernels flush subnormal results to zero
 std::atomic<bool> g_fallback_warn{false};  // the CPU fallback says so (torch_mlu is silent by default)
+// torch_mlu's "Convert64BitTo32Bit": float64 copied to the device holds float32 values (one
+// warning), and device kernels on float64 compute in float32.
+std::atomic<bool> g_narrow_float64{false};
+std::atomic<bool> g_warned_float64{false};
+std::mutex g_int32_mutex;
+std::set<std::string> g_int32_ops;  // ops whose int64 tensors are narrowed to int32 (wrapping, unchecked)
 std::atomic<int64_t> g_to_host_bytes{0};  // bytes copied from the device to the host
 std::atomic<int64_t> g_to_host_copies{0};
 std::mutex g_count_mutex;
@@ -196,16 +203,44 @@ void flush_subnormals(const at::Tensor& host) {
   host.masked_fill_(abs.lt(tiny).logical_and_(abs.ne(0)), 0);
 }
 
+// float64 values rounded to float32 in place (what torch_mlu's device memory holds)
+void narrow_float64(const at::Tensor& host) {
+  if (!g_narrow_float64.load() || !host.defined() || host.scalar_type() != at::kDouble || host.numel() == 0) return;
+  host.copy_(host.to(at::kFloat));
+}
+
+// int64 values wrapped through int32 in place, as a kernel that computes in int32 does
+void narrow_int64(const at::Tensor& host) {
+  if (!host.defined() || host.scalar_type() != at::kLong || host.numel() == 0) return;
+  host.copy_(host.to(at::kInt));
+}
+
+bool narrows_int64(const c10::OperatorName& name) {
+  std::lock_guard<std::mutex> lock(g_int32_mutex);
+  if (g_int32_ops.empty()) return false;
+  std::string base = name.name.substr(name.name.rfind(':') + 1);
+  return g_int32_ops.count(base) > 0 || g_int32_ops.count(base + "." + name.overload_name) > 0;
+}
+
+// Outputs of a device kernel: subnormals flushed (ftz), float64 narrowed, int64 narrowed (int32 ops)
+void postprocess(const at::Tensor& host, bool ftz, bool int32) {
+  if (ftz) flush_subnormals(host);
+  narrow_float64(host);
+  if (int32) narrow_int64(host);
+}
+
 // Stack rewriting for the device kernel: device tensors become host aliases, device arguments
 // become the CPU. Keeps the original device tensors by argument index.
 struct Unwrapped {
   std::map<size_t, at::Tensor> tensors;          // argument index -> device tensor
   std::map<size_t, std::vector<at::Tensor>> lists;
   c10::DeviceIndex index = 0;
+  bool int32 = false;  // the op narrows its int64 tensors
 };
 
-Unwrapped unwrap(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+Unwrapped unwrap(const c10::FunctionSchema& schema, torch::jit::Stack* stack, bool int32 = false) {
   Unwrapped u;
+  u.int32 = int32;
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
   for (size_t i = 0; i < n; ++i) {
@@ -215,7 +250,12 @@ Unwrapped unwrap(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
       if (is_device(t)) {
         u.index = t.device().index();
         u.tensors[i] = t;
-        v = host_alias(t);
+        auto alias = host_alias(t);
+        const auto* info = schema.arguments()[i].alias_info();
+        // an int64 input read in int32: a wrapped copy (a written argument keeps its memory)
+        if (int32 && alias.scalar_type() == at::kLong && (info == nullptr || !info->isWrite()))
+          alias = alias.to(at::kInt).to(at::kLong);
+        v = alias;
       }
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
@@ -265,14 +305,14 @@ at::Tensor wrap_output(const at::Tensor& out, const c10::Argument& ret, const c1
       const auto* info = schema.arguments()[i].alias_info();
       if (info == nullptr || info->beforeSets() != sets) continue;
       if (info->isWrite()) {  // in-place or out=: the device tensor itself
-        if (ftz) flush_subnormals(out);
+        postprocess(out, ftz, u.int32);
         sync_resized(device, out);
         return device;
       }
       return at::native::as_strided_tensorimpl(device, out.sizes(), out.strides(), out.storage_offset());
     }
   }
-  if (ftz) flush_subnormals(out);
+  postprocess(out, ftz, u.int32);
   return to_device_like(out, u.index);
 }
 
@@ -292,16 +332,15 @@ void wrap_outputs(const c10::FunctionSchema& schema, torch::jit::Stack* stack, c
   for (const auto& [i, originals] : u.lists) {
     const auto* info = schema.arguments()[i].alias_info();
     if (info == nullptr || !info->isWrite()) continue;
-    if (ftz)
-      for (const auto& t : originals)
-        if (is_device(t)) flush_subnormals(host_alias(t));
+    for (const auto& t : originals)
+      if (is_device(t)) postprocess(host_alias(t), ftz, u.int32);
   }
 }
 
 // The device's own kernel for an op: the CPU kernel on the device's memory.
 void device_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
-  Unwrapped u = unwrap(schema, stack);
+  Unwrapped u = unwrap(schema, stack, narrows_int64(schema.operator_name()));
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   wrap_outputs(schema, stack, u, g_ftz.load());
 }
@@ -366,6 +405,12 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
   } else {
     out.copy_(src);
   }
+  if (g_narrow_float64.load() && is_device(dst) && dst.scalar_type() == at::kDouble) {
+    if (!g_warned_float64.exchange(true))
+      TORCH_WARN("MLU operators don't support 64-bit calculation. so the 64 bit data will be forcibly "
+                 "converted to 32-bit for calculation.");
+    narrow_float64(out);
+  }
   return dst;
 }
 
@@ -409,7 +454,7 @@ at::Tensor narrow_gemm(const at::Tensor& a, const at::Tensor& b, int64_t chunk) 
 bool planted_gemm(const at::Tensor& a) { return g_gemm_chunk.load() > 0 && a.scalar_type() == at::kBFloat16; }
 
 at::Tensor finish(const at::Tensor& host, c10::DeviceIndex index) {
-  if (g_ftz.load()) flush_subnormals(host);
+  postprocess(host, g_ftz.load(), false);
   return to_device_like(host.contiguous(), index);
 }
 
@@ -480,6 +525,15 @@ void configure(int64_t gemm_chunk, bool truncate_cast, bool ftz, bool fallback_w
   g_fallback_warn = fallback_warn;
 }
 
+// torch_mlu's silent conversions: float64 held as float32, int64 narrowed in the ops named
+// (``cumsum``: every overload; ``add.Tensor``: that one)
+void configure_narrowing(bool float64, std::vector<std::string> int32_ops) {
+  g_narrow_float64 = float64;
+  if (!float64) g_warned_float64 = false;
+  std::lock_guard<std::mutex> lock(g_int32_mutex);
+  g_int32_ops = std::set<std::string>(int32_ops.begin(), int32_ops.end());
+}
+
 std::vector<std::string> fallback_ops() {
   std::lock_guard<std::mutex> lock(g_count_mutex);
   std::vector<std::string> out;
@@ -502,6 +556,7 @@ std::vector<int64_t> to_host_traffic() { return {g_to_host_bytes.load(), g_to_ho
 TORCH_LIBRARY(mlu_standin, m) {
   m.def("implement(str[] names) -> int", implement);
   m.def("configure(int gemm_chunk, bool truncate_cast, bool ftz, bool fallback_warn) -> ()", configure);
+  m.def("configure_narrowing(bool float64, str[] int32_ops) -> ()", configure_narrowing);
   m.def("fallback_ops() -> str[]", fallback_ops);
   m.def("reset_fallback_counts() -> ()", reset_fallback_counts);
   m.def("memory_allocated() -> int", memory_allocated);
