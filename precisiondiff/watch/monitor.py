@@ -176,6 +176,7 @@ class Watch:
         self._named: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self._param_names: Dict[int, str] = {}
         self._roots = 0
+        self._root_refs: List[Tuple[Any, str]] = []  # script watching: the modules first called outermost
         self._writer: Optional[LogWriter] = None
         self._pending: List[_Pending] = []
         self._wrote_dtypes = False
@@ -209,10 +210,11 @@ class Watch:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
+        self.close(complete=exc_type is None)
 
-    def close(self) -> None:
-        """Write what is pending and mark the log complete; remove every hook. Never raises."""
+    def close(self, *, complete: bool = True) -> None:
+        """Write what is pending and, when the run ended normally (``complete``), mark the log
+        complete (otherwise it reads as partial); remove every hook. Never raises."""
         if self._closed:
             return
         self._closed = True
@@ -224,7 +226,10 @@ class Watch:
             if self._writer is None and not self.errors:
                 self._open()
             if self._writer is not None:
-                self._writer.close(steps=self.step_index)
+                if complete:
+                    self._writer.close(steps=self.step_index)
+                else:
+                    self._writer.abandon()
         except Exception as err:  # noqa: BLE001
             self._fail(err)
             if self._writer is not None:
@@ -254,6 +259,7 @@ class Watch:
         try:
             prefix = "" if self._roots == 0 else f"{type(module).__name__}_{self._roots}"
             self._roots += 1
+            self._root_refs.append((weakref.ref(module), prefix))
             self._name_tree(module, prefix)
         except Exception as err:  # noqa: BLE001
             self._fail(err)
@@ -462,13 +468,14 @@ class Watch:
     # -- the log ------------------------------------------------------------------------------
     def _signature(self) -> Dict[str, Any]:
         model = self._model() if self._model is not None else None
-        named = list(model.named_parameters()) if model is not None else [
-            (name, p) for opt in self._optimizers for name, p in self._param_list(opt)]
-        if not named and self._param_names:
-            named = [(n, None) for n in self._param_names.values()]
-        params = [[name, list(p.shape) if p is not None else None] for name, p in named]
-        digest = hashlib.sha1(repr(sorted(map(tuple, [[n, tuple(s or ())] for n, s in params]))).encode()).hexdigest()
-        dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in named if p is not None})
+        roots = [(model, "")] if model is not None else [(ref(), prefix) for ref, prefix in self._root_refs]
+        named = [(f"{prefix}.{name}" if prefix else name, p) for root, prefix in roots if root is not None
+                 for name, p in root.named_parameters()]
+        params = [[name, list(p.shape)] for name, p in named]
+        # the model's identity: its parameters' names and shapes, not their dtypes (a bf16 and a
+        # float64 run of one model are the point of comparing)
+        digest = hashlib.sha1(repr(sorted((n, tuple(s)) for n, s in params)).encode()).hexdigest()
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in named})
         return {"signature": digest[:16], "params": params, "modules": sorted(set(self._watched.values())),
                 "param_dtypes": dtypes}
 
