@@ -6,18 +6,17 @@ parameter's weight and gradient (and, with an optimizer, its state and the updat
 and the loss, into one line-oriented log (docs/watch.md). :func:`compare_logs` finds the first
 step, layer and tensor at which two runs part by more than rounding explains.
 
-A stage beside capture: may import runtime/, capture/ (its statistics and selections), store/
-and comparators/; never compare/, bisect/ or the faces (cli/, testing/).
+A stage beside capture: may import runtime/, capture/ (its statistics), store/ and
+comparators/; never compare/, bisect/, report/ or the faces (cli/, testing/).
+``precisiondiff.watch(...)`` calls :func:`watch` (the package is callable, see ``_callable.py``).
 """
+from .compare import WatchComparison, compare_logs
 from .log import LOG_FILE, WatchLog, is_watch_log, read_logs
 from .monitor import Watch, WatchWarning, watch
 
 __all__ = ["LOG_FILE", "WatchLog", "is_watch_log", "read_logs", "Watch", "WatchWarning", "watch",
-           "compare_logs"]
+           "WatchComparison", "compare_logs"]
 
+from .._callable import make_callable  # noqa: E402
 
-def __getattr__(name: str):
-    if name == "compare_logs":
-        from .compare import compare_logs
-        return compare_logs
-    raise AttributeError(name)
+make_callable(__name__, "watch")
