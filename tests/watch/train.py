@@ -1,6 +1,6 @@
 """A small decoder trained for a few AdamW steps, with an optional planted divergence: from step
-``planted_step`` on, the MLP of block ``planted_layer`` returns its output scaled by (1 + 2**-9)
-(a kernel that goes wrong mid-run). Importable by the tests and runnable as a script for
+``planted_step`` on, the MLP of block ``planted_layer`` returns its output scaled by
+(1 + ``planted_scale``), 2**-9 by default (a kernel that goes wrong mid-run). Importable by the tests and runnable as a script for
 ``precisiondiff watch --script``::
 
     python tests/watch/train.py --steps 6 --dtype float32 [--planted-step 3 --planted-layer 1]
@@ -25,18 +25,19 @@ VOCAB = 128
 class Planted:
     """A forward hook on one MLP that scales its output from a given call on."""
 
-    def __init__(self, start: int) -> None:
-        self.start, self.calls = start, 0
+    def __init__(self, start: int, scale: float) -> None:
+        self.start, self.scale, self.calls = start, scale, 0
 
     def __call__(self, module, args, output):
         self.calls += 1
         if self.calls > self.start:
-            return output * (1 + 2.0 ** -9)
+            return output * (1 + self.scale)
         return None
 
 
 def build(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 3,
-          planted_step: Optional[int] = None, planted_layer: int = 1, perturb: bool = False):
+          planted_step: Optional[int] = None, planted_layer: int = 1, planted_scale: float = 2.0 ** -9,
+          perturb: bool = False):
     """(model, optimizer, tokens): the same weights and data for every dtype (built in float32)."""
     torch.manual_seed(seed)
     model = TinyTransformer(vocab=VOCAB, dim=32, heads=4, layers=layers)
@@ -48,7 +49,7 @@ def build(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 3,
             for p in model.parameters():
                 p.mul_(1 + torch.finfo(dtype).eps * (torch.rand(p.shape, generator=g) - 0.5).to(dtype))
     if planted_step is not None:
-        model.blocks[planted_layer].mlp.register_forward_hook(Planted(planted_step))
+        model.blocks[planted_layer].mlp.register_forward_hook(Planted(planted_step, planted_scale))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     return model, opt, tokens
 
