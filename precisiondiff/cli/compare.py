@@ -23,7 +23,8 @@ _FILTERS = [
     click.option("--inputs", is_flag=True, help="compare input slots too (default: outputs and gradients)"),
     click.option("--device", default=None, help="run the comparisons on this device (cuda, mlu:0, ...)"),
     click.option("--noise", type=click.Path(), default=None,
-                 help="a second capture of the DUT: rows within its run-to-run noise are not divergence"),
+                 help="a second capture of the DUT: rows within its run-to-run noise are not divergence "
+                      "(watch logs: a third run whose error against B is the band)"),
     click.option("--rel-l2", "rel_l2", type=float, default=None,
                  help="relative L2 error allowed per tensor (default: 8 unit roundoffs of the run's precision)"),
     click.option("--progress/--no-progress", default=True, show_default=True,

@@ -1,0 +1,113 @@
+"""Watch overhead: a watched training step ÷ a plain one, measured side by side in one run.
+
+    python benchmarks/bench_watch.py [--dim 768 --layers 12 --vocab 8192] [--batch 4 --seq 128]
+                                     [--steps 10] [--device cpu]
+
+Three copies of one decoder (examples/tiny_transformer.py, ~98M parameters at the defaults),
+each with its own AdamW, train in lockstep on the same batch: a plain one, one under
+``precisiondiff.watch`` at the default level (the layers; weights and gradients every step,
+optimizer state and update ratios every 10th step) and one with every module's statistics and
+everything every step (``level="all", param_every=1``). Their steps are interleaved, so machine
+noise hits all three; a step is forward + loss + backward + ``optimizer.step()`` + ``w.step()``.
+The ratio is the median watched step over the median plain step (after one warm-up step); the
+default level's "amortized" figure weighs its light and full steps 9:1, as a run sees them.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import precisiondiff  # noqa: E402
+from tiny_transformer import TinyTransformer  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (after one warm-up)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    base = TinyTransformer(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers).to(device, dtype)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    configs = {"plain": None, "default": {}, "all": {"level": "all", "param_every": 1}}
+    runs = {}
+    for name in configs:
+        model = copy.deepcopy(base).train()
+        runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4), "times": [],
+                      "full": []}
+    n_params = sum(p.numel() for p in base.parameters())
+    del base
+    print(f"decoder {n_params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, vocab {args.vocab}), "
+          f"batch {args.batch}x{args.seq} tokens, {args.dtype} on {device}, AdamW; {torch.get_num_threads()} threads")
+
+    def step(run, w) -> None:
+        model, opt = run["model"], run["opt"]
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), tokens.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if w is not None:
+            w.step(loss=loss)
+        _sync(device)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        watches = {name: precisiondiff.watch(os.path.join(tmp, name), model=run["model"], optimizer=run["opt"],
+                                             **configs[name]).__enter__()
+                   for name, run in runs.items() if configs[name] is not None}
+        try:
+            for i in range(args.steps + 1):
+                for name, run in runs.items():
+                    w = watches.get(name)
+                    full = w is not None and w._params_full
+                    t0 = time.perf_counter()
+                    step(run, w)
+                    elapsed = time.perf_counter() - t0
+                    if i:
+                        (run["full"] if full and name == "default" else run["times"]).append(elapsed)
+        finally:
+            for w in watches.values():
+                w.close()
+        sizes = {name: os.path.getsize(os.path.join(tmp, name, "watch.jsonl")) for name in watches}
+    plain = statistics.median(runs["plain"]["times"])
+    print(f"{'configuration':<34} {'median step s':>13} {'ratio':>7}")
+    print(f"{'plain':<34} {plain:>13.3f} {1.0:>7.3f}")
+    light = statistics.median(runs["default"]["times"])
+    print(f"{'default (light step)':<34} {light:>13.3f} {light / plain:>7.3f}")
+    if runs["default"]["full"]:
+        full = statistics.median(runs["default"]["full"])
+        print(f"{'default (full step: state, updates)':<34} {full:>13.3f} {full / plain:>7.3f}")
+        amortized = (9 * light + full) / 10
+        print(f"{'default (amortized 9 light : 1 full)':<34} {amortized:>13.3f} {amortized / plain:>7.3f}")
+    every = statistics.median(runs["all"]["times"])
+    print(f"{'all modules, everything every step':<34} {every:>13.3f} {every / plain:>7.3f}")
+    print("log bytes per step: " + ", ".join(f"{k} {v // (args.steps + 1)}" for k, v in sizes.items()))
+
+
+if __name__ == "__main__":
+    main()
