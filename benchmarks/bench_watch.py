@@ -90,6 +90,8 @@ def main() -> None:
                     elapsed = time.perf_counter() - t0
                     if i:
                         (run["full"] if full and name == "default" else run["times"]).append(elapsed)
+                print(f"  round {i}: " + ", ".join(f"{n} {(r['times'] + r['full'] or [0])[-1]:.2f}s"
+                                                  for n, r in runs.items()), file=sys.stderr, flush=True)
         finally:
             for w in watches.values():
                 w.close()

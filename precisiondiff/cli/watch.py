@@ -18,10 +18,14 @@ __all__ = ["watch"]
               help="optimizer state norms and update/weight ratios every N-th watched step")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed every RNG before the script runs")
 @click.option("--overwrite", is_flag=True, help="replace an existing log in OUT")
-def watch(argv, script, out, level, modules, every, param_every, seed, overwrite) -> None:
+@click.option("--replay-steps", "replay_steps", default=None, metavar="STEPS",
+              help="also capture these steps (e.g. 1200,1201) in replay mode into OUT/replay, for "
+                   "'precisiondiff bisect OUT/replay'")
+def watch(argv, script, out, level, modules, every, param_every, seed, overwrite, replay_steps) -> None:
     """Watch a training script: per step, statistics of every layer's output and gradient, every
     parameter's weight, gradient, optimizer state and update ratio, and the loss, into OUT.
     Compare two runs with 'precisiondiff compare WATCH_A WATCH_B'."""
     from ..watch.runner import watch_script
     click.echo(watch_script(script, list(argv), out, level=level, modules=modules, every=every,
-                            param_every=param_every, seed=seed, overwrite=overwrite))
+                            param_every=param_every, seed=seed, overwrite=overwrite,
+                            replay_steps=replay_steps))

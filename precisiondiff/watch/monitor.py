@@ -34,11 +34,13 @@ import torch
 from torch import nn
 
 from ..capture.dispatch import in_backward
+from ..capture.filters import parse_selection
 from ..capture.distributed import rank_and_world
 from ..capture.serialize import flatten_tensors
 from ..capture.stats import StatsBatch, copy_to_host
 from ..errors import PrecisionDiffError
 from .log import FIELDS, LOG_FILE, LogWriter
+from .replay import ReplayWindow
 
 __all__ = ["Watch", "WatchWarning", "watch", "LEVELS", "layer_modules", "losses_from_backward"]
 
@@ -138,6 +140,8 @@ class Watch:
         overwrite: replace an existing log.
         global_hooks: hook every module and every optimizer of the process (script watching);
             each ``optimizer.step()`` ends a step and the loss is what ``backward()`` was called on.
+        replay_steps: capture these steps (``"5,6"``) in replay mode into ``out/replay`` as the run
+            goes (:mod:`.replay`), for ``precisiondiff bisect out/replay``.
 
     Example:
         >>> with precisiondiff.watch("runs/w", model=model, optimizer=opt) as w:
@@ -149,7 +153,7 @@ class Watch:
     def __init__(self, out: "str | os.PathLike", *, model: Optional[nn.Module] = None,
                  optimizer: Any = None, level: str = "default", modules: Optional[str] = None,
                  every: int = 1, param_every: int = 10, meta: Optional[dict] = None,
-                 overwrite: bool = False, global_hooks: bool = False) -> None:
+                 overwrite: bool = False, global_hooks: bool = False, replay_steps: Optional[str] = None) -> None:
         if level not in LEVELS:
             raise PrecisionDiffError(f"unknown watch level {level!r}: use one of {', '.join(LEVELS)}")
         if int(every) < 1 or int(param_every) < 1:
@@ -166,6 +170,9 @@ class Watch:
         self.overwrite = overwrite
         self.global_hooks = global_hooks
         self._model = weakref.ref(model) if model is not None else None
+        chosen = parse_selection(replay_steps) if replay_steps else None
+        self._replay = ReplayWindow(os.path.join(self.out, "replay"), chosen, {**self.meta, "watch": self.out}) \
+            if chosen else None
         optimizers = optimizer if isinstance(optimizer, (list, tuple)) else ([optimizer] if optimizer is not None else [])
         self._optimizers = list(optimizers)
         self.rank, self.world_size = rank_and_world()
@@ -180,6 +187,7 @@ class Watch:
         self._writer: Optional[LogWriter] = None
         self._pending: List[_Pending] = []
         self._wrote_dtypes = False
+        self._early_notes: List[str] = []  # notes waiting for the log to open
         self._closed = False
         self._begin_step()
 
@@ -192,6 +200,8 @@ class Watch:
         if os.path.exists(existing) and not self.overwrite:
             raise PrecisionDiffError(f"{existing} exists: choose another directory or pass --overwrite")
         model = self._model() if self._model is not None else None
+        if self._replay is not None:
+            self._replay.check()
         if model is not None:
             self._name_tree(model, "")
             for module, scope in self._watched.items():
@@ -207,6 +217,8 @@ class Watch:
             for opt in self._optimizers:
                 self._handles.append(opt.register_step_pre_hook(self._optimizer_pre))
                 self._handles.append(opt.register_step_post_hook(self._optimizer_post))
+        if self._replay is not None and self._replay.first == 0:
+            self._replay_safely(lambda r: r.open(model, 0))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -218,6 +230,8 @@ class Watch:
         if self._closed:
             return
         self._closed = True
+        if self._replay is not None:
+            self._replay_safely(lambda r: r.close())
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -226,6 +240,7 @@ class Watch:
             if self._writer is None and not self.errors:
                 self._open()
             if self._writer is not None:
+                self._write_notes()
                 if complete:
                     self._writer.close(steps=self.step_index)
                 else:
@@ -290,17 +305,21 @@ class Watch:
         if scope is None or in_backward():  # a recompute (activation checkpointing) was watched already
             return
         try:
-            call = self._calls.get(scope, 0)
-            self._calls[scope] = call + 1
-            base = scope if call == 0 else f"{scope}#{call}"
-            floating = [t for t in flatten_tensors(output) if t.is_floating_point()]
-            for i, t in enumerate(floating):
-                slot = "output" if i == 0 else f"output.{i}"
-                self._add(f"{base}:{slot}", t)
-                if t.requires_grad and torch.is_grad_enabled():
-                    self._watch_grad(f"{base}:grad_{slot}", t)
+            with self._quiet():
+                self._watch_outputs(scope, output)
         except Exception as err:  # noqa: BLE001 - watch's error, not the training's
             self._fail(err)
+
+    def _watch_outputs(self, scope: str, output: Any) -> None:
+        call = self._calls.get(scope, 0)
+        self._calls[scope] = call + 1
+        base = scope if call == 0 else f"{scope}#{call}"
+        floating = [t for t in flatten_tensors(output) if t.is_floating_point()]
+        for i, t in enumerate(floating):
+            slot = "output" if i == 0 else f"output.{i}"
+            self._add(f"{base}:{slot}", t)
+            if t.requires_grad and torch.is_grad_enabled():
+                self._watch_grad(f"{base}:grad_{slot}", t)
 
     def _watch_grad(self, key: str, t: torch.Tensor) -> None:
         step = self.step_index
@@ -309,7 +328,8 @@ class Watch:
             if grad is None or not self._on or self.step_index != step:
                 return
             try:
-                self._add(key, grad)
+                with self._quiet():
+                    self._add(key, grad)
             except Exception as err:  # noqa: BLE001
                 self._fail(err)
 
@@ -358,19 +378,23 @@ class Watch:
         if not self._on:
             return
         try:
-            params = self._param_list(optimizer)
-            self._grad_norms(params)
-            if self._params_full:
-                with torch.no_grad():
-                    self._before[id(optimizer)] = [p.detach().clone() for _, p in params]
+            with self._quiet():
+                self._grad_norms_and_copies(optimizer)
         except Exception as err:  # noqa: BLE001
             self._fail(err)
+
+    def _grad_norms_and_copies(self, optimizer: Any) -> None:
+        params = self._param_list(optimizer)
+        self._grad_norms(params)
+        if self._params_full:
+            with torch.no_grad():
+                self._before[id(optimizer)] = [p.detach().clone() for _, p in params]
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._on:
             return
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._quiet():
                 params = self._param_list(optimizer)
                 weights = _norms([p for _, p in params])
                 for (name, _), norm in zip(params, weights):
@@ -411,11 +435,55 @@ class Watch:
             return
         if self._on:
             try:
-                self._finish_step(loss)
+                with self._quiet():
+                    self._finish_step(loss)
             except Exception as err:  # noqa: BLE001
                 self._fail(err)
         self.step_index += 1
         self._begin_step()
+        if self._replay is not None and not self.global_hooks:
+            self._replay_safely(self._replay_at_step_end)
+
+    # -- replay window (replay.py says where it may open and close) -----------------------------
+    def _quiet(self) -> Any:
+        return self._replay.quiet() if self._replay is not None else contextlib.nullcontext()
+
+    def _replay_at_step_end(self, r: ReplayWindow) -> None:
+        """Python API: ``w.step()`` is the user's code, where a session may open and close."""
+        if r.active:
+            r.session.step()  # ends the step that just finished
+            if self.step_index > r.last:
+                self._replay_note(r.close())
+        elif not r.done and self.step_index == r.first:
+            r.open(self._model() if self._model is not None else None, self.step_index)
+
+    def after_backward(self) -> None:
+        """Script watching: a ``backward()`` returned, outside every hook (see :mod:`.replay`)."""
+        r = self._replay
+        if r is None or not self.global_hooks:
+            return
+        if r.active and self.step_index > r.last:
+            self._replay_safely(lambda r: self._replay_note(r.close()))
+        elif r.session is None and self.step_index == r.first - 1:
+            self._replay_safely(lambda r: r.open(None, self.step_index))
+
+    def _replay_safely(self, action: Any) -> None:
+        try:
+            action(self._replay)
+        except Exception as err:  # noqa: BLE001 - the replay capture's error, not the training's
+            self._replay_note(f"{type(err).__name__}: {err}")
+            self._replay.done = True
+
+    def _replay_note(self, error: Optional[str]) -> None:
+        if error is None:
+            return
+        message = f"replay capture stopped: {error}"
+        self._early_notes.append(message)
+        try:
+            warnings.warn(f"precisiondiff watch: {message}; the training and the watch run on", WatchWarning,
+                          stacklevel=3)
+        except Warning:
+            pass
 
     def _finish_step(self, loss: Any) -> None:
         with torch.no_grad():
@@ -459,6 +527,7 @@ class Watch:
                 self._open()
             elif self._wrote_dtypes:
                 pending.dtypes = None  # the tensors' dtypes are in the first step record only
+            self._write_notes()
             record = pending.record()
             if not record["tensors"] and not record["params"] and record["loss"] is None:
                 record["note"] = "nothing was measured in this step"
@@ -466,6 +535,10 @@ class Watch:
             self._wrote_dtypes = True
 
     # -- the log ------------------------------------------------------------------------------
+    def _write_notes(self) -> None:
+        while self._early_notes and self._writer is not None:
+            self._writer.write({"note": self._early_notes.pop(0)})
+
     def _signature(self) -> Dict[str, Any]:
         model = self._model() if self._model is not None else None
         roots = [(model, "")] if model is not None else [(ref(), prefix) for ref, prefix in self._root_refs]
@@ -514,7 +587,9 @@ def losses_from_backward(w: Watch) -> Iterator[None]:
 
     def backward(tensors, *args, **kwargs):
         w.note_loss(tensors)
-        return original(tensors, *args, **kwargs)
+        result = original(tensors, *args, **kwargs)
+        w.after_backward()
+        return result
 
     torch.autograd.backward = backward
     try:
@@ -525,7 +600,7 @@ def losses_from_backward(w: Watch) -> Iterator[None]:
 
 def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimizer: Any = None,
           level: str = "default", modules: Optional[str] = None, every: int = 1, param_every: int = 10,
-          meta: Optional[dict] = None, overwrite: bool = False) -> Watch:
+          meta: Optional[dict] = None, overwrite: bool = False, replay_steps: Optional[str] = None) -> Watch:
     """Watch a training run: a few statistics per layer, parameter and step, and the loss.
 
     Args:
@@ -538,6 +613,7 @@ def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimi
         every: watch every N-th step; param_every: state norms and update ratios every N-th watched step.
         meta: extra fields for the log's header.
         overwrite: replace an existing log.
+        replay_steps: capture these steps (``"5,6"``) in replay mode into ``out/replay``.
 
     Returns:
         A :class:`Watch` to use as a context manager; call ``.step(loss=loss)`` after each step.
@@ -547,4 +623,4 @@ def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimi
         ...     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad(); w.step(loss=loss)
     """
     return Watch(out, model=model, optimizer=optimizer, level=level, modules=modules, every=every,
-                 param_every=param_every, meta=meta, overwrite=overwrite)
+                 param_every=param_every, meta=meta, overwrite=overwrite, replay_steps=replay_steps)

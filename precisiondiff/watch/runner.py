@@ -14,11 +14,12 @@ __all__ = ["watch_script"]
 
 def watch_script(script: str, args: List[str], out: "str | os.PathLike", *, level: str = "default",
                  modules: Optional[str] = None, every: int = 1, param_every: int = 10, seed: int = 0,
-                 overwrite: bool = False) -> str:
+                 overwrite: bool = False, replay_steps: Optional[str] = None) -> str:
     """Run ``script`` as ``__main__`` under a watch of every module and optimizer in the process.
 
     Each ``optimizer.step()`` ends a step; the loss is what ``backward()`` was called on (the mean
-    when a step calls it several times). The script chooses its own devices and data.
+    when a step calls it several times). The script chooses its own devices and data. With
+    ``replay_steps`` those steps are also captured in replay mode into ``out/replay``.
 
     Returns:
         A one-line summary for the terminal.
@@ -35,7 +36,7 @@ def watch_script(script: str, args: List[str], out: "str | os.PathLike", *, leve
     saved_argv = sys.argv[:]
     code = 0
     w = Watch(out, level=level, modules=modules, every=every, param_every=param_every, meta=meta,
-              overwrite=overwrite, global_hooks=True)
+              overwrite=overwrite, global_hooks=True, replay_steps=replay_steps)
     try:
         with w, losses_from_backward(w):
             sys.argv = [script, *args]
@@ -53,4 +54,6 @@ def watch_script(script: str, args: List[str], out: "str | os.PathLike", *, leve
     if code:
         raise WorkloadError(f"{script} exited with status {code}; the watch log in {out} is kept")
     stopped = f"; watch stopped early: {w.errors[0]}" if w.errors else ""
-    return f"watched {w.step_index} steps of {script} ({level}) into {out}{stopped}"
+    replay = f"; steps {replay_steps} captured in replay mode into {os.path.join(out, 'replay')}" \
+        if replay_steps and os.path.isdir(os.path.join(out, "replay")) else ""
+    return f"watched {w.step_index} steps of {script} ({level}) into {out}{replay}{stopped}"

@@ -37,10 +37,11 @@ class Planted:
 
 def build(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 3,
           planted_step: Optional[int] = None, planted_layer: int = 1, planted_scale: float = 2.0 ** -9,
-          perturb: bool = False):
-    """(model, optimizer, tokens): the same weights and data for every dtype (built in float32)."""
+          perturb: bool = False, fused_norm: bool = False):
+    """(model, optimizer, tokens): the same weights and data for every dtype (built in float32).
+    ``fused_norm``: the example's RMSNorm kernel whose bf16 path accumulates in bf16 (a custom op)."""
     torch.manual_seed(seed)
-    model = TinyTransformer(vocab=VOCAB, dim=32, heads=4, layers=layers)
+    model = TinyTransformer(vocab=VOCAB, dim=32, heads=4, layers=layers, fused_norm=fused_norm)
     tokens = torch.randint(0, VOCAB, (2, 12))
     model = model.to(dtype).train()
     if perturb:  # a run that differs by rounding only: every weight moved by about one ulp
@@ -88,9 +89,11 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--kill-after", type=int, default=None, help="SIGKILL itself after this many steps")
     parser.add_argument("--perturb", action="store_true")
+    parser.add_argument("--fused-norm", action="store_true")
     args = parser.parse_args(argv)
     model, opt, tokens = build(dtype=getattr(torch, args.dtype), planted_step=args.planted_step,
-                               planted_layer=args.planted_layer, layers=args.layers, perturb=args.perturb)
+                               planted_layer=args.planted_layer, layers=args.layers, perturb=args.perturb,
+                               fused_norm=args.fused_norm)
     for step in range(args.steps):
         if args.kill_after is not None and step == args.kill_after:
             import signal
