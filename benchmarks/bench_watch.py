@@ -3,14 +3,18 @@
     python benchmarks/bench_watch.py [--dim 768 --layers 12 --vocab 8192] [--batch 4 --seq 128]
                                      [--steps 10] [--device cpu]
 
-Three copies of one decoder (examples/tiny_transformer.py, ~98M parameters at the defaults),
-each with its own AdamW, train in lockstep on the same batch: a plain one, one under
-``precisiondiff.watch`` at the default level (the layers; weights and gradients every step,
-optimizer state and update ratios every 10th step) and one with every module's statistics and
-everything every step (``level="all", param_every=1``). Their steps are interleaved, so machine
-noise hits all three; a step is forward + loss + backward + ``optimizer.step()`` + ``w.step()``.
-The ratio is the median watched step over the median plain step (after one warm-up step); the
-default level's "amortized" figure weighs its light and full steps 9:1, as a run sees them.
+Four copies of one decoder (examples/tiny_transformer.py, ~98M parameters at the defaults),
+each with its own AdamW, train in lockstep on the same batch: a plain one; one under
+``precisiondiff.watch`` at the default level on its light steps (the layers' statistics, weight
+and gradient norms: its only full step is the warm-up step); one at the default level with those every step (``param_every=1``:
+the default's full step); and one with every module's statistics and everything every step
+(``level="all", param_every=1``). Their steps are interleaved, so machine noise hits all four;
+a step is forward + loss + backward + ``optimizer.step()`` + ``w.step()``.
+
+Time is the process's CPU time (``time.process_time``, every thread), which other jobs on a
+shared machine disturb far less than wall time (wall time is printed too). The ratio is the
+median watched step over the median plain step, after one warm-up step; "default, amortized"
+weighs the light and full steps 9:1, as a run at ``--param-every 10`` sees them.
 """
 from __future__ import annotations
 
@@ -54,12 +58,13 @@ def main() -> None:
     torch.manual_seed(0)
     base = TinyTransformer(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers).to(device, dtype)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
-    configs = {"plain": None, "default": {}, "all": {"level": "all", "param_every": 1}}
+    configs = {"plain": None, "default": {"param_every": 10 ** 9}, "default_full": {"param_every": 1},
+               "all": {"level": "all", "param_every": 1}}
     runs = {}
     for name in configs:
         model = copy.deepcopy(base).train()
-        runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4), "times": [],
-                      "full": []}
+        runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4), "cpu": [],
+                      "wall": []}
     n_params = sum(p.numel() for p in base.parameters())
     del base
     print(f"decoder {n_params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, vocab {args.vocab}), "
@@ -83,31 +88,28 @@ def main() -> None:
         try:
             for i in range(args.steps + 1):
                 for name, run in runs.items():
-                    w = watches.get(name)
-                    full = w is not None and w._params_full
-                    t0 = time.perf_counter()
-                    step(run, w)
-                    elapsed = time.perf_counter() - t0
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    step(run, watches.get(name))
                     if i:
-                        (run["full"] if full and name == "default" else run["times"]).append(elapsed)
-                print(f"  round {i}: " + ", ".join(f"{n} {(r['times'] + r['full'] or [0])[-1]:.2f}s"
+                        run["cpu"].append(time.process_time() - c0)
+                        run["wall"].append(time.perf_counter() - t0)
+                print(f"  round {i}: " + ", ".join(f"{n} {(r['cpu'] or [0])[-1]:.2f} cpu-s"
                                                   for n, r in runs.items()), file=sys.stderr, flush=True)
         finally:
             for w in watches.values():
                 w.close()
         sizes = {name: os.path.getsize(os.path.join(tmp, name, "watch.jsonl")) for name in watches}
-    plain = statistics.median(runs["plain"]["times"])
-    print(f"{'configuration':<34} {'median step s':>13} {'ratio':>7}")
-    print(f"{'plain':<34} {plain:>13.3f} {1.0:>7.3f}")
-    light = statistics.median(runs["default"]["times"])
-    print(f"{'default (light step)':<34} {light:>13.3f} {light / plain:>7.3f}")
-    if runs["default"]["full"]:
-        full = statistics.median(runs["default"]["full"])
-        print(f"{'default (full step: state, updates)':<34} {full:>13.3f} {full / plain:>7.3f}")
-        amortized = (9 * light + full) / 10
-        print(f"{'default (amortized 9 light : 1 full)':<34} {amortized:>13.3f} {amortized / plain:>7.3f}")
-    every = statistics.median(runs["all"]["times"])
-    print(f"{'all modules, everything every step':<34} {every:>13.3f} {every / plain:>7.3f}")
+    med = {name: (statistics.median(r["cpu"]), statistics.median(r["wall"])) for name, r in runs.items()}
+    plain_cpu, plain_wall = med["plain"]
+    print(f"{'configuration':<40} {'cpu s/step':>10} {'ratio':>7} {'wall s/step':>11} {'ratio':>7}")
+    labels = {"plain": "plain", "default": "default, light step", "default_full": "default, full step (state, updates)",
+              "all": "all modules, everything every step"}
+    for name, (cpu, wall) in med.items():
+        print(f"{labels[name]:<40} {cpu:>10.3f} {cpu / plain_cpu:>7.3f} {wall:>11.3f} {wall / plain_wall:>7.3f}")
+    cpu = (9 * med["default"][0] + med["default_full"][0]) / 10
+    wall = (9 * med["default"][1] + med["default_full"][1]) / 10
+    print(f"{'default, amortized (9 light : 1 full)':<40} {cpu:>10.3f} {cpu / plain_cpu:>7.3f} {wall:>11.3f} "
+          f"{wall / plain_wall:>7.3f}")
     print("log bytes per step: " + ", ".join(f"{k} {v // (args.steps + 1)}" for k, v in sizes.items()))
 
 

@@ -110,3 +110,12 @@ def test_a_run_that_raises_leaves_a_partial_log(tmp_path):
             raise ValueError("the training failed")
     log = read_logs(tmp_path)[0]
     assert not log.complete and len(log.steps) == 1
+
+
+def test_each_rank_of_a_job_writes_its_own_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    train.train(2, watch_dir=str(tmp_path))
+    logs = read_logs(tmp_path)
+    assert list(logs) == [1] and logs[1].path == str(tmp_path / "rank1" / "watch.jsonl")
+    assert (logs[1].header["rank"], logs[1].header["world_size"]) == (1, 2)
