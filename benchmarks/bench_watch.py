@@ -12,9 +12,11 @@ the default's full step); and one with every module's statistics and everything 
 a step is forward + loss + backward + ``optimizer.step()`` + ``w.step()``.
 
 Time is the process's CPU time (``time.process_time``, every thread), which other jobs on a
-shared machine disturb far less than wall time (wall time is printed too). The ratio is the
-median watched step over the median plain step, after one warm-up step; "default, amortized"
-weighs the light and full steps 9:1, as a run at ``--param-every 10`` sees them.
+shared machine disturb far less than wall time (wall time is printed too). Two figures per
+configuration, after one warm-up step: the side-by-side ratio (median watched step over median
+plain step), and watch's own CPU time (every watch hook and ``w.step()`` timed from inside)
+over the plain step, which is far less noisy than a difference of two noisy steps.
+"default, amortized" weighs the light and full steps 9:1, as a run at ``--param-every 10`` sees them.
 """
 from __future__ import annotations
 
@@ -42,6 +44,26 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+def _meter(w) -> dict:
+    """Time watch's own work: its hooks and ``step`` wrapped on the instance (before it is entered,
+    so the hooks it installs are the wrapped ones); nested calls are counted once."""
+    spent = {"cpu": 0.0}
+    depth = [0]
+    for name in ("_fwd_post", "_add", "_optimizer_pre", "_optimizer_post", "step"):
+        def wrapped(*args, _fn=getattr(w, name), **kwargs):
+            if depth[0]:
+                return _fn(*args, **kwargs)
+            depth[0] += 1
+            c0 = time.process_time()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent["cpu"] += time.process_time() - c0
+                depth[0] -= 1
+        setattr(w, name, wrapped)
+    return spent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=768)
@@ -64,7 +86,7 @@ def main() -> None:
     for name in configs:
         model = copy.deepcopy(base).train()
         runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4), "cpu": [],
-                      "wall": []}
+                      "wall": [], "own": []}
     n_params = sum(p.numel() for p in base.parameters())
     del base
     print(f"decoder {n_params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, vocab {args.vocab}), "
@@ -82,34 +104,40 @@ def main() -> None:
         _sync(device)
 
     with tempfile.TemporaryDirectory() as tmp:
-        watches = {name: precisiondiff.watch(os.path.join(tmp, name), model=run["model"], optimizer=run["opt"],
-                                             **configs[name]).__enter__()
-                   for name, run in runs.items() if configs[name] is not None}
+        watches, meters = {}, {}
+        for name, run in runs.items():
+            if configs[name] is not None:
+                w = precisiondiff.watch(os.path.join(tmp, name), model=run["model"], optimizer=run["opt"], **configs[name])
+                meters[name] = _meter(w)
+                watches[name] = w.__enter__()
         try:
             for i in range(args.steps + 1):
                 for name, run in runs.items():
+                    own0 = meters[name]["cpu"] if name in meters else 0.0
                     t0, c0 = time.perf_counter(), time.process_time()
                     step(run, watches.get(name))
                     if i:
                         run["cpu"].append(time.process_time() - c0)
                         run["wall"].append(time.perf_counter() - t0)
+                        run["own"].append((meters[name]["cpu"] if name in meters else 0.0) - own0)
                 print(f"  round {i}: " + ", ".join(f"{n} {(r['cpu'] or [0])[-1]:.2f} cpu-s"
                                                   for n, r in runs.items()), file=sys.stderr, flush=True)
         finally:
             for w in watches.values():
                 w.close()
         sizes = {name: os.path.getsize(os.path.join(tmp, name, "watch.jsonl")) for name in watches}
-    med = {name: (statistics.median(r["cpu"]), statistics.median(r["wall"])) for name, r in runs.items()}
-    plain_cpu, plain_wall = med["plain"]
-    print(f"{'configuration':<40} {'cpu s/step':>10} {'ratio':>7} {'wall s/step':>11} {'ratio':>7}")
+    med = {name: {k: statistics.median(r[k]) for k in ("cpu", "wall", "own")} for name, r in runs.items()}
+    plain = med["plain"]
+    print(f"{'configuration':<40} {'cpu s/step':>10} {'ratio':>7} {'wall s/step':>11} {'ratio':>7} "
+          f"{'watch own cpu s':>15} {'own/plain':>9}")
     labels = {"plain": "plain", "default": "default, light step", "default_full": "default, full step (state, updates)",
               "all": "all modules, everything every step"}
-    for name, (cpu, wall) in med.items():
-        print(f"{labels[name]:<40} {cpu:>10.3f} {cpu / plain_cpu:>7.3f} {wall:>11.3f} {wall / plain_wall:>7.3f}")
-    cpu = (9 * med["default"][0] + med["default_full"][0]) / 10
-    wall = (9 * med["default"][1] + med["default_full"][1]) / 10
-    print(f"{'default, amortized (9 light : 1 full)':<40} {cpu:>10.3f} {cpu / plain_cpu:>7.3f} {wall:>11.3f} "
-          f"{wall / plain_wall:>7.3f}")
+    rows = dict(med)
+    rows["amortized"] = {k: (9 * med["default"][k] + med["default_full"][k]) / 10 for k in ("cpu", "wall", "own")}
+    labels["amortized"] = "default, amortized (9 light : 1 full)"
+    for name, m in rows.items():
+        print(f"{labels[name]:<40} {m['cpu']:>10.3f} {m['cpu'] / plain['cpu']:>7.3f} {m['wall']:>11.3f} "
+              f"{m['wall'] / plain['wall']:>7.3f} {m['own']:>15.4f} {m['own'] / plain['cpu']:>9.4f}")
     print("log bytes per step: " + ", ".join(f"{k} {v // (args.steps + 1)}" for k, v in sizes.items()))
 
 

@@ -356,7 +356,7 @@ class Watch:
     # -- parameters ---------------------------------------------------------------------------
     def _param_list(self, optimizer: Any = None) -> List[Tuple[str, torch.Tensor]]:
         if optimizer is not None:
-            params = [p for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
         else:
             model = self._model() if self._model is not None else None
             params = list(model.parameters()) if model is not None else []
