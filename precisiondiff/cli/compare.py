@@ -179,8 +179,11 @@ def _compare_watch(a: str, b: str, fmt: str, out: Optional[str], noise: Optional
     elif fmt == "table":
         from ..watch.render import render_text
         _write(render_text(c), out)
+    elif fmt == "html":
+        from ..watch.render import render_html
+        _write(render_html(c), out)
     else:
-        raise PrecisionDiffError(f"--format {fmt} is not available for watch logs: use table or json")
+        raise PrecisionDiffError(f"--format {fmt} is not available for watch logs: use table, json or html")
     return c.exit_code
 
 

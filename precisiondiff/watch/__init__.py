@@ -6,8 +6,9 @@ parameter's weight and gradient (and, with an optimizer, its state and the updat
 and the loss, into one line-oriented log (docs/watch.md). :func:`compare_logs` finds the first
 step, layer and tensor at which two runs part by more than rounding explains.
 
-A stage beside capture: may import runtime/, capture/ (its statistics), store/ and
-comparators/; never compare/, bisect/, report/ or the faces (cli/, testing/).
+A stage beside capture: may import runtime/, capture/ (its statistics and, for replay steps, its
+session), store/, comparators/ and report/ (its plot helpers); never compare/, bisect/ or the
+faces (cli/, testing/).
 ``precisiondiff.watch(...)`` calls :func:`watch` (the package is callable, see ``_callable.py``).
 """
 from .compare import WatchComparison, compare_logs

@@ -1,4 +1,4 @@
-"""A watch comparison as text (the terminal table) and as standard JSON."""
+"""A watch comparison as text (the terminal table), standard JSON, and a self-contained HTML page."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from typing import Any, List, Optional
 
 from .compare import WatchComparison
 
-__all__ = ["render_text", "to_json"]
+__all__ = ["render_text", "to_json", "render_html"]
 
 
 def _g(x: Optional[float]) -> str:
@@ -78,3 +78,57 @@ def _clean(value: Any) -> Any:
 def to_json(c: WatchComparison) -> str:
     """Standard JSON (NaN and infinities as strings, as compare's JSON writes them)."""
     return json.dumps(_clean(c.to_dict()), indent=1) + "\n"
+
+
+def _loss_plot(c: WatchComparison) -> str:
+    from ..report.plots import _figure, _pos, _svg
+    d = c.data
+    steps = [e["step"] for e in d["per_step"]]
+    fig, axes = _figure(7, 3, 1, 2)
+    ax, err = axes[0][0], axes[0][1]
+    ax.plot(steps, [e["loss_a"] for e in d["per_step"]], label="A", color="#d62728")
+    ax.plot(steps, [e["loss_b"] for e in d["per_step"]], label="B", color="#1f77b4", linestyle="--")
+    ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.legend()
+    pairs = [(s, _pos(e["loss_error"])) for s, e in zip(steps, d["per_step"])]
+    err.semilogy([s for s, v in pairs if v], [v for _, v in pairs if v], color="#d62728", label="loss")
+    pairs = [(s, _pos(e["max_error"])) for s, e in zip(steps, d["per_step"])]
+    err.semilogy([s for s, v in pairs if v], [v for _, v in pairs if v], color="#7f7f7f", label="largest")
+    first = d["first_divergence"]
+    for a in (ax, err):
+        if first is not None:
+            a.axvline(first["step"], color="#ff7f0e", linewidth=1)
+    err.set_xlabel("step"), err.set_ylabel("relative error"), err.legend()
+    return _svg(fig)
+
+
+def _heat_map(c: WatchComparison) -> str:
+    from ..report.plots import _figure, _svg
+    d = c.data
+    keys = [k for k in d["errors"] if ":" in k and k.rsplit(":", 1)[1].startswith(("output", "grad_output"))]
+    if not keys:
+        return ""
+    grid = [[math.log10(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else math.nan
+             for v in d["errors"][k]] for k in keys]
+    fig, axes = _figure(7, 0.6 + 0.18 * len(keys))
+    ax = axes[0][0]
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
+                      extent=(d["step_numbers"][0] - 0.5, d["step_numbers"][-1] + 0.5, len(keys) - 0.5, -0.5))
+    ax.set_yticks(range(len(keys)), [k or "(model)" for k in keys], fontsize=6)
+    ax.set_xlabel("step")
+    fig.colorbar(image, ax=ax, label="log10 relative error (blank: bitwise equal)")
+    return _svg(fig)
+
+
+def render_html(c: WatchComparison) -> str:
+    """One self-contained page: the text report, the loss curves and the step × layer heat map
+    of the error (inline SVG; without matplotlib the text alone)."""
+    from html import escape
+    from ..report.plots import available
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>precisiondiff watch: {escape(c.a)} vs {escape(c.b)}</title></head><body>",
+             f"<h1>precisiondiff watch: {escape(c.a)} vs {escape(c.b)}</h1>",
+             f"<pre>{escape(render_text(c))}</pre>"]
+    if available():
+        parts += ["<h2>Loss curves and error</h2>", _loss_plot(c), "<h2>Error by step and layer</h2>", _heat_map(c)]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

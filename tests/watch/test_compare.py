@@ -82,6 +82,15 @@ def test_cli_table_and_json(logs, capsys):
     assert data["first_divergence"]["key"] == "blocks.1:output" and len(data["per_step"]) == 8
 
 
+def test_cli_html_has_the_report_and_its_pictures(logs, tmp_path):
+    out = tmp_path / "watch.html"
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", str(logs / "planted"), str(logs / "clean"), "--format", "html", "-o", str(out)])
+    text = out.read_text()
+    assert exit_.value.code == 1 and "first divergence: step 4, blocks.1 output" in text
+    assert text.count("<svg") == 2  # the loss curves and the step x layer heat map
+
+
 def test_logs_of_different_models_are_one_line_and_exit_2(logs, tmp_path, capsys):
     train.train(2, watch_dir=str(tmp_path), layers=2)
     with pytest.raises(PrecisionDiffError, match="different models"):
