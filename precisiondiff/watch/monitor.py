@@ -175,6 +175,11 @@ class Watch:
             if chosen else None
         optimizers = optimizer if isinstance(optimizer, (list, tuple)) else ([optimizer] if optimizer is not None else [])
         self._optimizers = list(optimizers)
+        for opt in self._optimizers:
+            if not hasattr(opt, "register_step_pre_hook"):
+                raise PrecisionDiffError(f"{type(opt).__name__} is not a torch.optim.Optimizer: give its inner "
+                                         "torch optimizer, or none (weights and gradients are then read at w.step(), "
+                                         "before zero_grad)")
         self.rank, self.world_size = rank_and_world()
         self.step_index = 0
         self.errors: List[str] = []
@@ -401,11 +406,10 @@ class Watch:
                     self._scalars.append((name, "weight", norm))
                 before = self._before.pop(id(optimizer), None)
                 if before is not None and len(before) == len(params):
-                    deltas = torch._foreach_sub([p.detach() for _, p in params], before)
-                    del before
-                    for (name, _), d, w in zip(params, _norms(deltas), weights):
+                    torch._foreach_sub_(before, [p.detach() for _, p in params])  # in place: no new memory
+                    for (name, _), d, w in zip(params, _norms(before), weights):
                         self._scalars.append((name, "update_ratio", d / w))
-                    del deltas
+                    del before
                 if self._params_full:
                     self._state_norms(optimizer, params)
             self._params_done = True

@@ -97,6 +97,8 @@ def test_bad_options_are_user_errors(tmp_path):
         precisiondiff.watch(tmp_path, model=model, every=0)
     with pytest.raises(PrecisionDiffError, match="bad --modules regex"):
         precisiondiff.watch(tmp_path, model=model, modules="(")
+    with pytest.raises(PrecisionDiffError, match="not a torch.optim.Optimizer"):
+        precisiondiff.watch(tmp_path, model=model, optimizer=object())
     precisiondiff.watch(tmp_path, model=model).__enter__().close()
     with pytest.raises(PrecisionDiffError, match="exists"):
         precisiondiff.watch(tmp_path, model=model).__enter__()
