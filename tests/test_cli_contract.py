@@ -15,6 +15,7 @@ CONTRACT = {
     "bisect": ["--target", "--ref", "--format", "-o", "--workload"],
     "probe": ["--target", "--ops", "--format", "-o", "--diff"],
     "ranks": ["--replicated", "--json"],
+    "watch": ["--script", "-o", "--level", "--every", "--replay-steps"],
 }
 
 
