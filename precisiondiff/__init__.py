@@ -6,6 +6,7 @@ Public API::
     precisiondiff.load(path)                  # read a dump
     precisiondiff.compare(a, b)               # align two dumps and measure every tensor
     precisiondiff.bisect(workload)            # localize the culprit kernel
+    precisiondiff.watch(out, model=...)       # monitor a long training run, a few numbers per layer
     precisiondiff.Workload, precisiondiff.Target
 
 Heavy parts (torch, the dump reader, comparisons, bisect, rich, h5py, matplotlib) load on first
@@ -30,6 +31,7 @@ __all__ = [
     "compare",
     "load",
     "register_reference",
+    "watch",
     "__version__",
 ]
 
@@ -46,6 +48,7 @@ _LAZY = {
     "bisect": (".bisect", None),
     "bisect_dump": (".bisect", "bisect_dump"),
     "register_reference": (".bisect", "register_reference"),
+    "watch": (".watch", None),  # callable as its function, like capture
 }
 
 

@@ -16,6 +16,7 @@ CONTRACT = {
     "probe": ["--target", "--ops", "--format", "-o", "--diff"],
     "ranks": ["--replicated", "--json"],
     "repro": ["-o", "--max-elements"],
+    "watch": ["--script", "-o", "--level", "--every", "--replay-steps"],
 }
 
 

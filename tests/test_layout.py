@@ -115,6 +115,7 @@ def test_each_room_says_what_it_does_and_may_import():
     ("precisiondiff.store", ["load", "Dump", "tensor_key"]),
     ("precisiondiff.comparators", ["ulp_distance", "ulp_error", "compare_tensors"]),
     ("precisiondiff.cli", ["main", "cli"]),
+    ("precisiondiff.watch", ["watch", "Watch", "compare_logs", "read_logs", "is_watch_log"]),
     ("precisiondiff.testing.plugin", ["ParityFixture"]),
 ])
 def test_every_documented_name_imports(module, names):

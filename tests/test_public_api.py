@@ -6,7 +6,7 @@ import precisiondiff
 
 def test_public_api_is_pinned():
     assert precisiondiff.__all__ == ["PrecisionDiffError", "Target", "Workload", "bisect", "bisect_dump",
-                                     "capture", "compare", "load", "register_reference", "__version__"]
+                                     "capture", "compare", "load", "register_reference", "watch", "__version__"]
     for name in precisiondiff.__all__:
         assert getattr(precisiondiff, name) is not None, name
 

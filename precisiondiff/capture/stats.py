@@ -27,7 +27,7 @@ import torch
 from ..store.fingerprint import _BITS, PERIOD, bits_of, fingerprint_hex, fingerprint_tensor, salts
 from . import stats_kernel
 
-__all__ = ["STAT_FIELDS", "StatsBatch", "SMALL_TENSOR_ELEMENTS"]
+__all__ = ["STAT_FIELDS", "StatsBatch", "SMALL_TENSOR_ELEMENTS", "copy_to_host"]
 
 STAT_FIELDS = ("min", "max", "mean", "abs_mean", "norm", "nan", "inf")
 SMALL_TENSOR_ELEMENTS = PERIOD  # batched tensors fit one fingerprint period
@@ -102,23 +102,30 @@ def _segment_sums_int(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return torch.diff(prefix, prepend=prefix.new_zeros(1))
 
 
+def copy_to_host(tensors: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.Event]]:
+    """Start copying tensors of one device to the host: into pinned memory without blocking, with
+    an event recorded after the copies; (host tensors, event). CPU tensors are returned as they
+    are (event None); where pinned memory or events are missing, a blocking copy (event None)."""
+    if tensors[0].device.type == "cpu":
+        return list(tensors), None
+    device = tensors[0].device
+    try:
+        stream = torch.accelerator.current_stream(device)  # where the copies are queued
+        done = torch.Event(device=device)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError):
+        return [t.cpu() for t in tensors], None
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    done.record(stream)
+    return host, done
+
+
 def _to_host(stats: torch.Tensor, fps: torch.Tensor
              ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Event]]:
-    """Start copying a device's results to the host: into pinned memory without blocking, with
-    an event recorded after the copies; (host stats, host fingerprints, event). CPU tensors are
-    returned as they are; where pinned memory or events are missing, a blocking copy."""
-    if stats.device.type == "cpu":
-        return stats, fps, None
-    try:
-        stream = torch.accelerator.current_stream(stats.device)  # where the copies are queued
-        done = torch.Event(device=stats.device)
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (stats, fps)]
-    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError):
-        return stats.cpu(), fps.cpu(), None
-    host[0].copy_(stats, non_blocking=True)
-    host[1].copy_(fps, non_blocking=True)
-    done.record(stream)
-    return host[0], host[1], done
+    """:func:`copy_to_host` of a batch's statistics and fingerprints."""
+    (host_stats, host_fps), done = copy_to_host([stats, fps])
+    return host_stats, host_fps, done
 
 
 class StatsBatch:

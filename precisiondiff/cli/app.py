@@ -40,8 +40,9 @@ from .inspect import ls_command as _ls, verify as _verify  # noqa: E402
 from .probe import probe as _probe  # noqa: E402
 from .ranks import ranks as _ranks  # noqa: E402
 from .repro import repro as _repro  # noqa: E402
+from .watch import watch as _watch  # noqa: E402
 
-for _command in (_capture, _ls, _verify, _compare, _report, _scan, _bisect, _probe, _ranks, _repro):
+for _command in (_capture, _ls, _verify, _compare, _report, _scan, _bisect, _probe, _ranks, _repro, _watch):
     cli.add_command(_command)
 
 

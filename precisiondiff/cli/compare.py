@@ -23,7 +23,8 @@ _FILTERS = [
     click.option("--inputs", is_flag=True, help="compare input slots too (default: outputs and gradients)"),
     click.option("--device", default=None, help="run the comparisons on this device (cuda, mlu:0, ...)"),
     click.option("--noise", type=click.Path(), default=None,
-                 help="a second capture of the DUT: rows within its run-to-run noise are not divergence"),
+                 help="a second capture of the DUT: rows within its run-to-run noise are not divergence "
+                      "(watch logs: a third run whose error against B is the band)"),
     click.option("--rel-l2", "rel_l2", type=float, default=None,
                  help="relative L2 error allowed per tensor (default: 8 unit roundoffs of the run's precision)"),
     click.option("--progress/--no-progress", default=True, show_default=True,
@@ -122,7 +123,11 @@ def _write(text: str, out: Optional[str]) -> None:
 @click.pass_context
 def compare(ctx, a, b, fmt, out, only_failing, top, jobs, scope, op, direction, kind, inputs, device,
             noise, rel_l2, progress) -> None:
-    """Compare dump A (the device under test) with dump B (the reference)."""
+    """Compare dump A (the device under test) with dump B (the reference), or two watch logs
+    (precisiondiff watch -o DIR): the first step, layer and tensor where the runs part."""
+    from ..watch.log import is_watch_log
+    if is_watch_log(a) or is_watch_log(b):
+        ctx.exit(_compare_watch(a, b, fmt, out, noise))
     if top is not None and top < 1:
         raise PrecisionDiffError("--top must be at least 1")
     c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, rel_l2, progress, only_failing,
@@ -157,6 +162,29 @@ def compare(ctx, a, b, fmt, out, only_failing, top, jobs, scope, op, direction, 
             except OSError as err:
                 raise PrecisionDiffError(f"cannot write {out}: {err.strerror or err}; choose a writable path") from err
     ctx.exit(c.exit_code)
+
+
+def _compare_watch(a: str, b: str, fmt: str, out: Optional[str], noise: Optional[str]) -> int:
+    """``compare`` of two watch logs (docs/watch.md); returns the exit code."""
+    from ..watch.log import is_watch_log
+    for path in (a, b):
+        if not is_watch_log(path):
+            raise PrecisionDiffError(f"{path} is not a watch log while the other is: compare two watch logs "
+                                     "(precisiondiff watch -o DIR) or two dumps")
+    from ..watch.compare import compare_logs
+    c = compare_logs(a, b, noise=noise)
+    if fmt == "json":
+        from ..watch.render import to_json
+        _write(to_json(c), out)
+    elif fmt == "table":
+        from ..watch.render import render_text
+        _write(render_text(c), out)
+    elif fmt == "html":
+        from ..watch.render import render_html
+        _write(render_html(c), out)
+    else:
+        raise PrecisionDiffError(f"--format {fmt} is not available for watch logs: use table, json or html")
+    return c.exit_code
 
 
 @click.command()

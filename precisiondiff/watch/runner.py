@@ -1,0 +1,59 @@
+"""Watch an unmodified training script: what ``precisiondiff watch --script`` runs."""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+from ..errors import PrecisionDiffError, WorkloadError
+from .monitor import Watch, losses_from_backward
+
+__all__ = ["watch_script"]
+
+
+def watch_script(script: str, args: List[str], out: "str | os.PathLike", *, level: str = "default",
+                 modules: Optional[str] = None, every: int = 1, param_every: int = 10, seed: int = 0,
+                 overwrite: bool = False, replay_steps: Optional[str] = None) -> str:
+    """Run ``script`` as ``__main__`` under a watch of every module and optimizer in the process.
+
+    Each ``optimizer.step()`` ends a step; the loss is what ``backward()`` was called on (the mean
+    when a step calls it several times). The script chooses its own devices and data. With
+    ``replay_steps`` those steps are also captured in replay mode into ``out/replay``.
+
+    Returns:
+        A one-line summary for the terminal.
+
+    Raises:
+        WorkloadError: the script is missing, raised, or exited with a non-zero status (the log
+            keeps the steps watched before).
+    """
+    if not os.path.isfile(script):
+        raise WorkloadError(f"script not found: {script}")
+    from ..runtime.workload import seed_everything
+    seed_everything(seed)
+    meta = {"workload": f"--script {script}", "script_args": list(args), "seed": seed}
+    saved_argv = sys.argv[:]
+    code = 0
+    w = Watch(out, level=level, modules=modules, every=every, param_every=param_every, meta=meta,
+              overwrite=overwrite, global_hooks=True, replay_steps=replay_steps)
+    try:
+        with w, losses_from_backward(w):
+            sys.argv = [script, *args]
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except PrecisionDiffError:
+                raise
+            except Exception as err:
+                raise WorkloadError(f"{script} raised {type(err).__name__}: {err} "
+                                    f"(the steps watched so far are kept in {out})") from err
+    finally:
+        sys.argv = saved_argv
+    if code:
+        raise WorkloadError(f"{script} exited with status {code}; the watch log in {out} is kept")
+    stopped = f"; watch stopped early: {w.errors[0]}" if w.errors else ""
+    replay = f"; steps {replay_steps} captured in replay mode into {os.path.join(out, 'replay')}" \
+        if replay_steps and os.path.isdir(os.path.join(out, "replay")) else ""
+    return f"watched {w.step_index} steps of {script} ({level}) into {out}{replay}{stopped}"

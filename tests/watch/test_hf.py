@@ -1,0 +1,37 @@
+"""The transformers callback, driven as a Trainer drives it (accelerate, which Trainer needs, is
+not a dependency here: the callback's events are called in the Trainer's order)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from precisiondiff.watch import read_logs
+
+from . import train
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_the_callback_watches_each_optimizer_step_with_its_mean_loss(tmp_path):
+    from precisiondiff.watch.hf import watch_callback
+    model, opt, tokens = train.build()
+    callback = watch_callback(tmp_path)
+    assert isinstance(callback, transformers.TrainerCallback)
+    callback.on_train_begin(None, None, None, model=model, optimizer=opt)
+    means = []
+    for _ in range(3):
+        losses = []
+        for micro in (tokens[:1], tokens[1:]):  # gradient accumulation: two backward() per step
+            logits = model(micro).float()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, train.VOCAB), micro[:, 1:].reshape(-1))
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        callback.on_step_end(None, None, None)
+        means.append(sum(losses) / 2)
+    callback.on_train_end(None, None, None)
+    log = read_logs(tmp_path)[0]
+    assert log.complete and [r["loss"] for r in log.steps] == pytest.approx(means, rel=1e-6)
+    assert "blocks.0:output#1" not in log.steps[0]["tensors"] and "blocks.0#1:output" in log.steps[0]["tensors"]
+    assert torch.autograd.backward.__module__ == "torch.autograd"  # restored
