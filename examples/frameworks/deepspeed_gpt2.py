@@ -13,6 +13,10 @@ on a GPU or MLU machine leave DS_ACCELERATOR unset):
 ``--plant`` replaces block 1's MLP activation with a custom op (``pdframeworks::rough_gelu``)
 that is wrong in bf16 only (the framework's code is not changed: one submodule's forward is).
 
+``--capture DIR`` records the steps with the Python API instead (after ``deepspeed.initialize``),
+for ``precisiondiff bisect DIR --workload examples/frameworks/deepspeed_gpt2.py`` (the workload
+file registers the planted op for the replay).
+
 ``build`` is the same model as a plain ``file.py:fn`` workload (no engine): the float64
 reference a DeepSpeed dump is compared with (``precisiondiff capture
 examples/frameworks/deepspeed_gpt2.py:build --target cpu/float64 -o runs/ref``).
@@ -20,6 +24,7 @@ examples/frameworks/deepspeed_gpt2.py:build --target cpu/float64 -o runs/ref``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -92,6 +97,26 @@ def build_planted():
     return build(plant=True)
 
 
+class EngineShaped(nn.Module):
+    """The model under a ``module`` attribute, as DeepSpeed's engine holds it: the scopes of a dump
+    captured through the engine (``module.transformer...``) resolve in it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.module = model
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def build_planted_engine_shaped():
+    """``build_planted`` with the engine's ``module.`` level: the ``--workload`` of a bisect of a dump
+    captured with the API through the engine."""
+    workload = build(plant=True)
+    workload.model = EngineShaped(workload.model)
+    return workload
+
+
 def _ds_config(zero: int, bf16: bool) -> dict:
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -105,6 +130,8 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--plant", action="store_true")
+    parser.add_argument("--capture", metavar="DIR", default=None,
+                        help="capture the steps with the Python API (replay mode) into DIR")
     args = parser.parse_args()
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29511"}.items():
@@ -116,13 +143,20 @@ def main() -> None:
     model = tiny_gpt2(args.plant)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=_ds_config(args.zero, not args.fp32))
-    for step in range(args.steps):
-        ids = batch(step).to(engine.device)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        if int(os.environ["RANK"]) == 0:
-            print(f"step {step} loss {loss.item():.6f}")
+    with contextlib.ExitStack() as stack:
+        cap = None
+        if args.capture:  # after deepspeed.initialize: the engine's own setup is not recorded
+            import precisiondiff
+            cap = stack.enter_context(precisiondiff.capture(args.capture, model=engine, mode="replay"))
+        for step in range(args.steps):
+            ids = batch(step).to(engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            if cap is not None:
+                cap.step()
+            if int(os.environ["RANK"]) == 0:
+                print(f"step {step} loss {loss.item():.6f}")
 
 
 if __name__ == "__main__":
