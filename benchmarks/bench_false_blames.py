@@ -27,10 +27,9 @@ from tests.zoo import ZOO  # noqa: E402
 
 #: Stock kernels the peer rule names that were verified by hand against a float64 replay
 #: (benchmarks/stock_findings.py; docs/bisect.md, "Findings on stock kernels"): a verdict naming
-#: one of these is a finding, any other kernel verdict on the zoo is a false blame.
-KNOWN_FINDINGS = {
-    "aten.native_layer_norm_backward.default": "grad_weight/grad_bias summed with bf16 partial sums",
-}
+#: one of these is a finding, any other kernel verdict on the zoo is a false blame. The table is
+#: the one bisect annotates its culprits from (``known: ...``).
+from precisiondiff.bisect.findings import KNOWN_FINDINGS  # noqa: E402
 
 
 def run(names, target: str, confirm: bool = False):

@@ -98,8 +98,10 @@ def test_script_capture(tmp_path):
     assert linear[1].tensors[0].key.startswith("step1/0/Linear#0:forward:")
     grads = [e for e in events if e.kind == "param" and e.scope == "2"]
     assert len(grads) == 3
-    # the optimizer's update is not recorded as model ops
-    assert not any("foreach" in e.name or e.name.startswith("aten.add_") and e.scope == "" for e in events)
+    # the optimizer's update is recorded as its own events (direction optimizer), not as model ops
+    assert {e.step for e in events if e.direction == "optimizer"} == {0, 1, 2}
+    assert not any(("foreach" in e.name or e.name.startswith("aten.add_")) and e.direction != "optimizer"
+                   for e in events)
 
 
 def test_killed_capture_leaves_a_readable_partial_dump(tmp_path):

@@ -60,6 +60,8 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
         path = [{"kind": "module", "scope": out.units[u].scope, "name": out.units[u].name,
                  "local": out.details.get(u, {}).get("local", {})} for u in finding.path]
         candidates = [unit_json(out.units[u], out.details.get(u, {})) for u in finding.candidates]
+        for unit in [culprit] + candidates:
+            _annotate(unit, dut)
         before = [u for u in out.details if u in out.units and _before(out.units[u], ev)]
         passed = [u for u in before if out.details[u].get("passed")]
         evidence = {"upstream_units": len(before), "upstream_passed": len(passed),
@@ -92,13 +94,26 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
                          "be the first faulty unit (see the note on ops not judged)")
     if final is None and verdict != "kernel":
         notes.append("final output not compared (no reference output available)")
+    accepted = [_annotate(dict(unit_json(out.units[u], d), message=d.get("message", "")), dut)
+                for u, d in sorted(out.details.items()) if d.get("accepted") and u in out.units]
     return BisectResult(verdict=verdict, dut=str(dut), ref=str(ref), culprit=culprit, path=path,
                         confirmation=confirmation, cost=cost, candidates=candidates, evidence=evidence,
                         growth=growth, unreplayable=list(out.unreplayable_ops),
-                        final_error=final_error, parity_bound=bound, notes=notes)
+                        final_error=final_error, parity_bound=bound, notes=notes,
+                        culprits=([culprit] + candidates) if culprit is not None else [], accepted=accepted)
+
+
+def _annotate(unit: Dict[str, Any], dut: Target) -> Dict[str, Any]:
+    """Add ``known`` to an op unit that is a documented stock finding on the DUT's device/dtype."""
+    from .findings import known_finding
+    if unit.get("kind") == "op":
+        found = known_finding(unit["name"], dut.device.split(":")[0], str(dut.dtype).replace("torch.", ""))
+        if found:
+            unit["known"] = found
+    return unit
 
 
 def _before(a: UnitEvent, b: UnitEvent) -> bool:
     order = {"forward": 0, "backward": 1}
-    return (order.get(a.direction, 2), a.seq) < (order.get(b.direction, 2), b.seq)
+    return (a.step, order.get(a.direction, 2), a.seq) < (b.step, order.get(b.direction, 2), b.seq)
 

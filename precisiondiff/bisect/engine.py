@@ -17,6 +17,7 @@ from . import _compat
 from . import judge as J
 from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
                       replay_module_forward, replay_module_step, replay_op, resolve_op)
+from .optimizer import is_update, replay_update
 from .references import reference_for
 from .reuse import ReplayedOps, RoundedOps
 from .search import Finding, Judgement, Search, Unit
@@ -58,6 +59,8 @@ class EngineInput:
             judged within noise, not over. None: no second run.
         judge_after_culprit: also isolate the modules that run after the first offending op
             (further module candidates; they cannot change the culprit).
+        accept: findings the user has read (:class:`~precisiondiff.bisect.findings.Accept`): an
+            offending op they match is recorded as ``accepted`` and does not offend.
     """
 
     events: List[UnitEvent]
@@ -74,6 +77,7 @@ class EngineInput:
     noise: Optional[Dict[Tuple[str, str, str, int], float]] = None
     random_outputs: Optional[Callable[[UnitEvent], List[List[torch.Tensor]]]] = None
     judge_after_culprit: bool = False
+    accept: Sequence[Any] = ()
 
 
 @dataclass
@@ -189,12 +193,19 @@ def run_search(inp: EngineInput) -> EngineOutput:
     holding: Dict[int, List[int]] = {}
     total = len(units)
     done = 0
+    explained: set = set()  # modules around an accepted op
     while (uid := search.next_query()) is not None:
         ev = by_seq[uid]
         if inp.progress is not None:
             inp.progress(done, total, f"{ev.direction} {ev.scope or '<root>'} {ev.name}")
         if ev.kind == "op":
             judgement, detail = _judge_op(ev, inp, counter, rounded)
+            if judgement.over and any(a.matches(ev.name, ev.scope) for a in inp.accept):
+                judgement, detail = Judgement(replayable=True, over=False), dict(detail, accepted=True)
+                up = parents[uid]
+                while up is not None:  # the modules around it: their error includes the accepted op's
+                    explained.add(up)
+                    up = parents[up]
             if not judgement.replayable:
                 if ev.name not in unreplayable:
                     unreplayable.append(ev.name)
@@ -207,6 +218,8 @@ def run_search(inp: EngineInput) -> EngineOutput:
                                               shared=shared, rounded=rounded)
             if not judgement.replayable and held and parents[uid] is not None:
                 holding.setdefault(parents[uid], []).extend(holding.pop(uid))
+            if uid in explained and judgement.over:
+                judgement, detail = Judgement(replayable=True, over=False), dict(detail, accepted_inside=True)
             if held and judgement.replayable:
                 detail["holds_unreplayable"] = [{"scope": h.scope, "name": h.name, "call": h.call,
                                                  "reason": details.get(h.seq, {}).get("reason", "")}
@@ -248,23 +261,27 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int],
     # passes with it, so it is replayed only for an op that does not (one replay saved per
     # matmul-like op). A budget override can accept on the ULP budget, which the magnitude
     # also widens: then it is computed up front, as the override path needs it.
-    has_magnitude = magnitude_op(ev.name)
+    # an optimizer update's outputs are its written state, judged in the state's own dtype
+    # (bisect/optimizer.py): no magnitude, and the inputs' dtypes do not widen the bound
+    update = is_update(ev)
+    has_magnitude = magnitude_op(ev.name) and not update
     eager = has_magnitude and _overrides_apply(ev, inp)
     try:
-        rep = replay_op(ev, device=inp.ref_device, dtype=inp.ref_dtype, magnitude=eager)
+        rep = (replay_update if update else replay_op)(ev, device=inp.ref_device, dtype=inp.ref_dtype,
+                                                       magnitude=eager)
     except Unreplayable as err:
         log.info("not replayable: %s", err)
         return Judgement(replayable=False), {"replayable": False, "reason": str(err)}
     _count(counter, "op_golden", 1)
     if rep.magnitudes is not None:
         _count(counter, "op_magnitude", 1)
-    in_dtypes = [getattr(torch, info[0]) for slot, info in ev.slots.items()
-                 if slot.startswith("input.") and isinstance(getattr(torch, info[0], None), torch.dtype)
-                 and getattr(torch, info[0]).is_floating_point]
+    in_dtypes = [] if update else [getattr(torch, info[0]) for slot, info in ev.slots.items()
+                                   if slot.startswith("input.") and isinstance(getattr(torch, info[0], None), torch.dtype)
+                                   and getattr(torch, info[0]).is_floating_point]
     outputs = _op_outputs(ev, rep, in_dtypes)
     if isinstance(outputs, dict):
         return Judgement(replayable=False), outputs
-    if rounded is not None and reference_for(ev.name) is None:
+    if rounded is not None and reference_for(ev.name) is None and not update:
         rounded.add(ev, rep.golden, resolve_op(ev.name))
     if not outputs:
         return Judgement(replayable=True), {"replayable": True, "passed": True, "local": {}, "budget": {}}

@@ -42,6 +42,7 @@ class UnitEvent:
         slots: slot -> (dtype name, shape, has data).
         args: the replay arguments (``{"args", "kwargs", "replayable", ...}``) or None.
         load: slot -> the recorded tensor (on the CPU or the DUT device).
+        step: the training step it was recorded in.
     """
 
     seq: int
@@ -53,6 +54,7 @@ class UnitEvent:
     slots: Dict[str, tuple]
     args: Optional[dict]
     load: Callable[[str], torch.Tensor] = field(repr=False, default=None)  # type: ignore[assignment]
+    step: int = 0
 
     def floating_slots(self, prefix: str) -> List[str]:
         """Slots starting with ``prefix`` holding floating tensors, in index order."""

@@ -246,7 +246,7 @@ class StandInJudgement:
     """A module judged in place of an op it holds that could not be replayed.
 
     Attributes:
-        over: some element exceeds its bound.
+        over: enough elements exceed their bound (``TAIL_COUNT``), or one far beyond it.
         local: ``max_ulp_error`` (worst element, in ULPs of the DUT dtype), ``n_over``, ``numel``,
             ``worst_ratio`` (error / bound at the worst element).
         budget: the op budget used (as a dict) and the rule.
@@ -266,11 +266,17 @@ def judge_standin(pairs: Sequence[tuple], budget: Any) -> StandInJudgement:
     that with every op output rounded to the DUT dtype. The module is over when, at some
     element ``i``, ``|dut_i - golden_i| > max(max_ulp * spacing(golden_i),
     MODULE_OVER * |emulated_i - golden_i|)`` where ``max_ulp`` is the budget of the op the
-    module stands in for. For a module that is just the op this is the op's own budget; around
-    other ops, the emulated error lets correct rounding through them pass. ``pairs`` is
+    module stands in for, with ``spacing`` taken at ``max(|golden_i|, SIGNIFICANCE * rms(golden))``
+    (the op rule's small-value floor). For a module that is just the op this is the op's own budget; around
+    other ops, the emulated error lets correct rounding through them pass. As the op rule's tail
+    (docs/comparators.md, "Error statistics"), fewer than ``TAIL_COUNT`` elements (or
+    ``TAIL_SHARE`` of them) over their bound make it over only when one is ``MODULE_FAR`` times
+    over. ``pairs`` is
     ``[(slot, dut, golden, emulated), ...]``.
     """
     from ..comparators import ulp_spacing
+    from ..comparators.error_stats import TAIL_COUNT, TAIL_SHARE, element_ulp
+    from ..comparators.peers import SIGNIFICANCE
     from . import _compat
     worst_ratio, worst_ulp, n_over, numel, message = 0.0, 0.0, 0, 0, ""
     for slot, dut, golden, emulated in pairs:
@@ -278,7 +284,10 @@ def judge_standin(pairs: Sequence[tuple], budget: Any) -> StandInJudgement:
         d = dut.detach().to(device=g.device, dtype=torch.float64)
         em = emulated.detach().to(device=g.device, dtype=torch.float64)
         spacing = ulp_spacing(g, dut.dtype)
-        bound = torch.maximum(budget.max_ulp * spacing, MODULE_OVER * (em - g).abs())
+        # the op rule's small-value floor: elements far below the tensor's size (cancellation)
+        # are judged at the significance threshold's ULP, not their own
+        floor = element_ulp(torch.where(torch.isfinite(g), g, torch.zeros_like(g)), dut.dtype, SIGNIFICANCE)
+        bound = torch.maximum(budget.max_ulp * floor, MODULE_OVER * (em - g).abs())
         err = (d - g).abs()
         bad = (torch.isnan(d) ^ torch.isnan(g)) | (torch.isfinite(g) & ~(err <= bound))
         numel += d.numel()
@@ -301,4 +310,6 @@ def judge_standin(pairs: Sequence[tuple], budget: Any) -> StandInJudgement:
     local = {"max_ulp_error": worst_ulp, "n_over": n_over, "numel": numel, "worst_ratio": worst_ratio}
     bud = dict(_compat.as_dict(budget), rule="stand-in: max(op budget, emulated rounding x over_factor)",
                over_factor=MODULE_OVER)
-    return StandInJudgement(over=n_over > 0, local=local, budget=bud, message=message)
+    # as the op rule's tail: a few elements over their bound are evidence only far over it
+    over = (n_over >= TAIL_COUNT and n_over >= TAIL_SHARE * numel) or worst_ratio > MODULE_FAR
+    return StandInJudgement(over=over, local=local, budget=bud, message=message if over else "")

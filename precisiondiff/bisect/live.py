@@ -5,7 +5,7 @@ import contextlib
 import logging
 import re
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,6 +18,7 @@ from .assemble import assemble
 from ..store.schema import tensor_key
 from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_search
 from .evidence import input_evidence, param_grads_of
+from .findings import resolve_accepts
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .result import BisectResult
 from .cost import cost_figures, step_cost
@@ -43,7 +44,7 @@ def events_from_sink(sink: MemorySink) -> List[UnitEvent]:
         def load(slot: str, _records: Dict[str, dict] = records) -> torch.Tensor:
             return sink.tensor(_records[slot])
         out.append(UnitEvent(e["seq"], e["kind"], e["scope"], e["name"], e["direction"], e["call"],
-                             slots, e.get("args"), load))
+                             slots, e.get("args"), load, step=e.get("step", 0)))
     return out
 
 
@@ -56,8 +57,8 @@ def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, 
     """
     from ..comparators import budget_for, parse_budget_overrides
     from ..comparators.ulp import ComparatorError
-    if direction not in (None, "forward", "backward"):
-        raise BisectError(f"--direction must be forward or backward, not {direction!r}")
+    if direction not in (None, "forward", "backward", "optimizer"):
+        raise BisectError(f"--direction must be forward, backward or optimizer, not {direction!r}")
     if budgets is None or budgets == {} or budgets == []:
         return None
     try:
@@ -292,14 +293,17 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            ref: "str | Target" = "cpu/float64", direction: Optional[str] = None,
            budgets: Any = None, seed: int = 0, progress: Optional[Progress] = None,
            max_candidates: int = 3, noise: bool = False, confirm: bool = False,
-           time_step: bool = False, max_host_memory: Optional[int] = None) -> BisectResult:
+           time_step: bool = False, max_host_memory: Optional[int] = None,
+           accept: Optional[Sequence[str]] = None) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
     and isolates every op and module call on the reference with the DUT's own inputs and
     parameters. The reference runs the whole workload only when the verdict needs its final
     error (no culprit) or ``confirm`` asks; ``confirm`` also reruns the DUT with the culprit's
-    output replaced by its golden (substitution).
+    output replaced by its golden (substitution). A training workload (``optimizer=``, or
+    ``steps`` > 1) runs its steps and is searched step by step, its optimizer updates included
+    (:func:`precisiondiff.bisect.training.bisect_training`; docs/bisect.md, "Training steps").
 
     Args:
         workload: ``file.py:fn``, ``package.module:fn``, a factory, or a :class:`Workload`.
@@ -322,6 +326,10 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         max_host_memory: bytes of the captured step's tensors held in memory (default 2 GiB);
             the rest is spilled to a temporary directory and read back when a unit needs it
             (``cost.host_memory``; docs/bisect.md, "Host memory").
+        accept: findings read and accepted, ``["OP", "OP@SCOPE", ...]``: such an offending op is
+            listed in ``accepted`` and the search goes on to the next culprit; the project's
+            ``[tool.precisiondiff] accept`` (pyproject.toml or precisiondiff.toml) is added
+            (:mod:`precisiondiff.bisect.findings`).
 
     Returns:
         A :class:`BisectResult`.
@@ -335,6 +343,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         'pdexample.fused_rms_norm.default'
     """
     overrides = check_options(direction, budgets)
+    accepts = resolve_accepts(accept)
     started = time.perf_counter()
     dut = Target.parse(target) if target is not None else default_dut()
     ref_t = Target.parse(ref)
@@ -347,6 +356,15 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     in_place = compiled.compiled_in_place(wl.model)
     if compiled_wl is not None or in_place:  # bisect the eager model; regions are checked below
         wl = compiled.eager_workload(wl)
+    if wl.optimizer is not None or wl.steps > 1:  # every training step judged (training.py)
+        from .training import bisect_training
+        found = bisect_training(wl, dut, ref_t, overrides=overrides, direction=direction, progress=progress,
+                                max_candidates=max_candidates, max_host_memory=max_host_memory,
+                                confirm=confirm, noise=noise, started=started, events_of=events_from_sink,
+                                accept=accepts)
+        if compiled_wl is not None or in_place:
+            found.notes.append("torch.compile regions are not checked in a training bisect: its steps ran eagerly")
+        return found
     has_backward = wl.loss is not None
     fwd_cost = step_cost(has_backward)
 
@@ -384,7 +402,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
         module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction,
-        max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor))
+        max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor,
+        accept=accepts))
     search_s = time.perf_counter() - t1
 
     # The reference run only when something needs it: the verdict (parity or accumulated: no

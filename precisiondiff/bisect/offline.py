@@ -12,39 +12,43 @@ import os
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ..errors import BisectError, PrecisionDiffError
 from ..runtime.targets import Target
 from .assemble import assemble
-from .engine import EngineInput, run_search
+from .engine import EngineInput
 from .evidence import finals_of, input_evidence, param_grads_of
+from .findings import resolve_accepts
 from .isolate import UnitEvent
 from .result import BisectResult
 from .substitute import final_errors
+from .training import mark_steps, search_steps
 
 __all__ = ["bisect_dump", "events_from_dump"]
 
 log = logging.getLogger(__name__)
 
 
-def events_from_dump(dump: Any, *, step: Optional[int] = None) -> List[UnitEvent]:
-    """The events of a loaded dump (one step: the first unless ``step``) as :class:`UnitEvent`."""
+def events_from_dump(dump: Any, *, step: Optional[int] = None, all_steps: bool = False) -> List[UnitEvent]:
+    """The events of a loaded dump (one step: the first unless ``step``; every step with
+    ``all_steps``) as :class:`UnitEvent`."""
     out: List[UnitEvent] = []
     first: Optional[int] = step
     for ev in dump.events():
         if first is None:
             first = ev.step
-        if ev.step != first:
+        if ev.step != first and not all_steps:
             continue
         slots = {t.slot: (t.dtype, tuple(t.shape), t.has_data) for t in ev.tensors}
         keys = {t.slot: t.key for t in ev.tensors}
 
         def load(slot: str, _keys: Dict[str, str] = keys) -> torch.Tensor:
             return dump.tensor(_keys[slot])
-        out.append(UnitEvent(ev.seq, ev.kind, ev.scope, ev.name, ev.direction, ev.call, slots, ev.args, load))
+        out.append(UnitEvent(ev.seq, ev.kind, ev.scope, ev.name, ev.direction, ev.call, slots, ev.args, load,
+                             step=ev.step))
     return out
 
 
@@ -99,7 +103,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 workload: "str | Callable[[], Any] | None" = None, direction: Optional[str] = None,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
                 max_candidates: int = 3,
-                prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None) -> BisectResult:
+                prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None,
+                accept: Optional[Sequence[str]] = None) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -115,6 +120,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         max_candidates: offending units to report after the culprit.
         prepare: maps the dump's events to those searched (multi-rank bisect leaves collectives
             out and adapts DTensor op calls: :mod:`precisiondiff.bisect.ranks`).
+        accept: accepted findings ``["OP[@SCOPE]", ...]`` (see :func:`precisiondiff.bisect.bisect`).
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -130,6 +136,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     from .cost import cost_figures, step_cost
     from .live import check_options, run_reference
     overrides = check_options(direction, budgets)
+    accepts = resolve_accepts(accept)
     started = time.perf_counter()
     dump = _open(dut_dump, "DUT_DUMP")
     meta = dump.meta
@@ -141,9 +148,10 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     ref_t.check_available()
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
-    events = events_from_dump(dump)
+    every = events_from_dump(dump, all_steps=prepare is None)  # training steps: each one judged
     if prepare is not None:
-        events = prepare(events)
+        every = prepare(every)
+    events = [e for e in every if e.step == every[0].step] if every else every
     notes: List[str] = []
     if not meta.get("arg_layouts"):
         notes.append("the dump records no argument layouts (captured before they were recorded): ops replay "
@@ -173,12 +181,12 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     else:
         ref_runs = 0
 
-    out = run_search(EngineInput(
-        events=events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
+    out, steps = search_steps(every, lambda step_events: EngineInput(
+        events=step_events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
         module_of=modules.get if modules else None,
         module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
-        param_grad=param_grads_of(events), direction=direction, max_candidates=max_candidates,
-        progress=progress, overrides=overrides))
+        param_grad=param_grads_of(step_events), direction=direction, max_candidates=max_candidates,
+        progress=progress, overrides=overrides, accept=accepts))
     if ref_dump is None and wl is not None:  # after the search: only the culprit's scope is kept
         culprit_ev = out.units[out.finding.culprit] if out.finding.culprit is not None else None
         ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events, evidence_for=culprit_ev)
@@ -205,4 +213,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
             "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3)}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
                       notes=notes, input_check=evidence)
+    if len({e.step for e in every}) > 1:
+        mark_steps(result, out, steps)
+        if final is not None:
+            result.notes.append(f"the final error is step {events[0].step}'s (the first captured step)")
     return result

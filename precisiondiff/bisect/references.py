@@ -9,14 +9,22 @@ reference lets it judge the op itself::
 
 The function receives the op's arguments exactly as recorded, with floating tensors upcast to
 the reference dtype on the reference device, and returns what the op returns.
+
+Built in (:data:`BUILTIN_REFERENCES`, a registration overrides them): the stock ops with no float64
+kernel, written with the same semantics in any dtype: ``aten._grouped_mm`` (an MoE's experts in
+transformers 5), ``aten._scaled_mm`` (fp8 GEMMs: the inputs times their scales, then a matmul) and
+``aten._int_mm`` (exact in int64).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
 
 from ..errors import BisectError
 
-__all__ = ["register_reference", "unregister_reference", "reference_for", "normalize_op_name"]
+__all__ = ["register_reference", "unregister_reference", "reference_for", "normalize_op_name",
+           "BUILTIN_REFERENCES", "grouped_mm_reference", "scaled_mm_reference", "int_mm_reference"]
 
 _REFERENCES: Dict[str, Callable] = {}
 
@@ -65,5 +73,67 @@ def unregister_reference(op_name: str) -> None:
 
 
 def reference_for(op_name: str) -> Optional[Callable]:
-    """The registered reference of ``op_name`` (``ns.op.overload``), or None."""
-    return _REFERENCES.get(op_name)
+    """The registered reference of ``op_name`` (``ns.op.overload``), else the built-in one, or None."""
+    return _REFERENCES.get(op_name) or BUILTIN_REFERENCES.get(op_name)
+
+
+def _groups(offs: torch.Tensor) -> List[Any]:
+    ends = [int(e) for e in offs.tolist()]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = None,
+                         bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``aten._grouped_mm`` in the dtype of its inputs; ``offs`` are the groups' cumulative ends.
+
+    2D x 3D: ``out[s:e] = a[s:e] @ b[g]`` (rows of ``a`` per group: an MoE's tokens per expert);
+    3D x 2D: ``out[:, s:e] = a[g] @ b[:, s:e]``; 2D x 2D: ``out[g] = a[:, s:e] @ b[s:e]`` (the
+    weight gradient); 3D x 3D: ``bmm``. Rows or columns past the last offset are zero.
+    """
+    if a.dim() == 3 and b.dim() == 3:
+        out = torch.bmm(a, b)
+    elif a.dim() == 2 and b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        for g, (s, e) in enumerate(_groups(offs)):
+            out[s:e] = a[s:e] @ b[g]
+    elif a.dim() == 3 and b.dim() == 2:
+        out = a.new_zeros(a.shape[1], b.shape[1])
+        for g, (s, e) in enumerate(_groups(offs)):
+            out[:, s:e] = a[g] @ b[:, s:e]
+    else:
+        spans = _groups(offs)
+        out = a.new_zeros(len(spans), a.shape[0], b.shape[1])
+        for g, (s, e) in enumerate(spans):
+            out[g] = a[:, s:e] @ b[s:e]
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def scaled_mm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                        bias: Optional[torch.Tensor] = None, scale_result: Optional[torch.Tensor] = None,
+                        out_dtype: Optional[torch.dtype] = None, use_fast_accum: bool = False) -> torch.Tensor:
+    """``aten._scaled_mm``: ``(a * scale_a) @ (b * scale_b) + bias`` in the widest floating dtype
+    of its arguments (the fp8 inputs are exact in it; tensorwise or rowwise scales broadcast)."""
+    wide = max((t.dtype for t in (scale_a, scale_b) if t.is_floating_point()), key=lambda d: torch.finfo(d).bits,
+               default=torch.float32)
+    wide = torch.float64 if wide == torch.float64 else torch.float32
+    out = (a.to(wide) * scale_a.to(wide)) @ (b.to(wide) * scale_b.to(wide))
+    if bias is not None:
+        out = out + bias.to(wide)
+    if scale_result is not None:
+        out = out * scale_result.to(wide)
+    return out
+
+
+def int_mm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``aten._int_mm``: int8 x int8 -> int32, exact (accumulated in int64)."""
+    return (a.to(torch.int64) @ b.to(torch.int64)).to(torch.int32)
+
+
+#: Built-in references of stock ops with no float64 kernel (module docstring).
+BUILTIN_REFERENCES: Dict[str, Callable] = {
+    "aten._grouped_mm.default": grouped_mm_reference,
+    "aten._scaled_mm.default": scaled_mm_reference,
+    "aten._int_mm.default": int_mm_reference,
+}

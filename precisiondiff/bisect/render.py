@@ -18,7 +18,8 @@ def summary_lines(r: BisectResult) -> List[str]:
     c = r.culprit
     if c:
         where = c["scope"] or "<root>"
-        lines.append(f"culprit: {c['kind']} {c['name']} in {where} ({c['direction']}, call {c['call']})")
+        step = f", step {c['step']}" if "step" in c else ""
+        lines.append(f"culprit: {c['kind']} {c['name']} in {where} ({c['direction']}, call {c['call']}{step})")
         loc, bud = c.get("local", {}), c.get("budget", {})
         if c["kind"] == "compiled_region":
             lines.extend(_region_lines(c))
@@ -52,6 +53,10 @@ def summary_lines(r: BisectResult) -> List[str]:
                          + f" (bound {_num(ev.get('bound'))}: {fine})")
         if r.path:
             lines.append("  path: " + " > ".join(p["scope"] or "<root>" for p in r.path))
+        if c.get("known"):
+            lines.append(f"  {c['known']}")
+        if len(r.culprits) > 1:
+            lines.extend(_offender_lines(r.culprits))
         conf = r.confirmation
         if conf.get("final_error_after_substitution") is not None:
             lines.append(f"substitution: final error {_num(conf['final_error_before'])} -> "
@@ -74,12 +79,30 @@ def summary_lines(r: BisectResult) -> List[str]:
                      f"{len(within)} over budget but within {_num(r.noise.get('factor'))}x their noise"
                      + (": " + ", ".join(f"{w['scope'] or '<root>'}/{w['name']}" for w in within[:3])
                         + (" ..." if len(within) > 3 else "") if within else ""))
+    for a in r.accepted:
+        lines.append(f"accepted: {a['kind']} {a['name']} in {a['scope'] or '<root>'} ({a['direction']}, call "
+                     f"{a['call']})" + (f" [{a['known'].split(' (')[0]}]" if a.get("known") else ""))
     for n in r.notes:
         lines.append(f"note: {n}")
     cost = r.cost
     steps = f"{_num(cost.get('steps'))} steps of the workload = " if cost.get("steps") is not None else ""
     lines.append(f"cost: {cost.get('dut_runs')} DUT runs, {cost.get('ref_runs')} reference runs, "
                  f"{steps}{_num(cost.get('forward_equivalents'))} forward-equivalents, {_num(cost.get('wall_s'))} s")
+    return lines
+
+
+def _offender_lines(culprits: List[dict]) -> List[str]:
+    """Every offending unit found, in execution order: where, its figures, known findings."""
+    lines = [f"offending units ({len(culprits)}, in execution order; --accept OP[@SCOPE] to pass one):"]
+    for i, u in enumerate(culprits, 1):
+        peer, loc = u.get("peer") or {}, u.get("local") or {}
+        if peer:
+            figures = (f"rel-L2 {_num(peer.get('error'))} vs peers {_num(peer.get('peer_error'))}, "
+                       f"worst {_num(peer.get('max_error'))} vs {_num(peer.get('peer_max_error'))}")
+        else:
+            figures = f"rel-L2 {_num(loc.get('rel_l2'))} = {_num(loc.get('ratio_to_rounding'))}x rounding"
+        lines.append(f"  {i}. {u['kind']} {u['name']} in {u['scope'] or '<root>'} ({u['direction']}, call "
+                     f"{u['call']}): {figures}" + (f" [{u['known'].split(' (')[0]}]" if u.get("known") else ""))
     return lines
 
 

@@ -35,6 +35,10 @@ class BisectResult:
             see docs/bisect.md), ``reduction`` (the fraction of the final error removed).
         cost: ``dut_runs``, ``ref_runs``, ``forward_equivalents``, plus wall-time figures.
         candidates: further offending units after the culprit, in execution order.
+        culprits: every offending unit found, in execution order, the culprit first (``[culprit]
+            + candidates``), each with its figures and, for a documented stock finding, ``known``.
+        accepted: offending ops the user accepted (``accept=``, ``--accept OP[@SCOPE]``, the
+            project's ``[tool.precisiondiff] accept``), in execution order: judged, not culprits.
         evidence: why the culprit's inputs can be trusted (units before it that passed).
         growth: for ``accumulated``: modules with the largest local error, largest first.
         unreplayable: op names that could not be replayed on the reference.
@@ -46,6 +50,9 @@ class BisectResult:
         noise: with ``noise=True`` (live bisect, ``--noise``): ``{"nondeterministic_ops": N,
             "within_noise": [...], ...}`` (docs/bisect.md, "Run-to-run noise"); None otherwise
             (and absent from the JSON).
+        steps: for a bisect over several training steps: one ``{"step", "units_isolated",
+            "culprit"}`` per step searched, in order (docs/bisect.md, "Training steps"); None
+            otherwise (and absent from the JSON).
 
     Example:
         >>> BisectResult("parity", "cpu/bf16", "cpu/float64").to_json()["verdict"]
@@ -68,6 +75,9 @@ class BisectResult:
     notes: List[str] = field(default_factory=list)
     compiled: Optional[Dict[str, Any]] = None
     noise: Optional[Dict[str, Any]] = None
+    steps: Optional[List[Dict[str, Any]]] = None
+    culprits: List[Dict[str, Any]] = field(default_factory=list)
+    accepted: List[Dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -86,10 +96,14 @@ class BisectResult:
                "growth": self.growth, "unreplayable": self.unreplayable,
                "final_error": self.final_error, "parity_bound": self.parity_bound,
                "notes": self.notes}
+        out["culprits"] = self.culprits
+        out["accepted"] = self.accepted
         if self.compiled is not None:
             out["compiled"] = self.compiled
         if self.noise is not None:
             out["noise"] = self.noise
+        if self.steps is not None:
+            out["steps"] = self.steps
         return _clean(out)
 
     def to_pandas(self) -> Any:

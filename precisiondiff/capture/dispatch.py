@@ -1,13 +1,24 @@
 """Operator-level capture: every ATen and custom op through a ``TorchDispatchMode``.
 
 Custom ops registered with ``torch.library`` (the way vendor fused kernels are exposed) reach the
-mode as one op, so a fused kernel is recorded as itself, not as the ATen ops inside it.
+mode as one op, so a fused kernel is recorded as itself, not as the ATen ops inside it. A
+higher-order operator (``flex_attention``, ``cond``, ``while_loop``, ``invoke_subgraph``...) is
+recorded as one unit too, ``higher_order.NAME``: its tensors in and out, not the ops of its
+subgraphs (which are code, not data: the unit is not replayable op by op).
+
+What an op writes is read from its schema: an ``out=`` argument (``is_out``) is written without
+being read, so it is an output, never an input; every argument marked written (``Tensor(a!)``)
+makes capture forget what it recorded of that memory, so a later read is measured afresh even
+when the write bumped no version counter (through ``.data``, by a collective). Memory an op
+returns uninitialized (``empty*``) is not an input of the op that fills it, declared or not.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
+from torch._ops import HigherOrderOperator
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .distributed import COLLECTIVE_NAMESPACES, Deferred, collective, collective_outputs, destinations
@@ -26,6 +37,13 @@ _ALWAYS_SKIP = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_s
                 # uninitialized memory: recording it would only record noise
                 "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
                 "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
+# ... whose outputs stay uninitialized until an op writes them (_Uninitialized)
+_UNINITIALIZED = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+                  "aten.new_empty.default", "aten.new_empty_strided.default"}
+UNINITIALIZED_NOTE = "an uninitialized buffer the op writes without its schema declaring it"
+HOP_PREFIX = "higher_order."
+HOP_NOTE = ("recorded as one unit (its tensors in and out); the ops of its subgraphs are not recorded "
+            "one by one and it is not replayable op by op: bisect judges it through its module")
 
 
 # In-place ops whose first argument is overwritten without being read: its old contents (often
@@ -41,17 +59,84 @@ def _storage(t: torch.Tensor) -> Any:
         return id(t)
 
 
-def _overwritten(name: str, args: tuple, kwargs: dict) -> set:
-    """Tensors the op writes without reading: an ``out=`` destination (unless it is also an
-    input, as in ``torch.add(h, x, out=h)``: then it is read first and recorded as one)."""
-    read = {_storage(t) for t in flatten_tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))}
-    ids = {id(v) for v in flatten_tensors(kwargs.get("out")) if _storage(v) not in read}
+def _overwritten(name: str, outs: tuple, args: tuple, kwargs: dict) -> set:
+    """Tensors the op writes without reading: its ``out=`` destinations (the schema's ``is_out``
+    arguments: ``out``, ``values``/``indices``...), unless also an input, as in
+    ``torch.add(h, x, out=h)``: then it is read first and recorded as one."""
+    read = {_storage(t) for t in flatten_tensors((args, {k: v for k, v in kwargs.items() if k not in outs}))}
+    ids = {id(v) for v in flatten_tensors([kwargs.get(k) for k in outs]) if _storage(v) not in read}
     if name in _OVERWRITES_SELF and args and isinstance(args[0], torch.Tensor):
         ids.add(id(args[0]))
     ids.update(id(t) for t in destinations(name, args))
     return ids
 
 
+def _written(info: "_OpInfo", args: tuple, kwargs: dict) -> List[torch.Tensor]:
+    """The tensors an op writes in place: its schema's ``Tensor(a!)`` arguments; a c10d
+    collective's first argument (c10d schemas do not declare their writes)."""
+    found: List[Any] = []
+    for index, name in info.writes:
+        found.append(args[index] if index < len(args) else kwargs.get(name))
+    if info.collective and info.name.startswith("c10d.") and args:
+        found.append(args[0])
+    return flatten_tensors(found)
+
+
+def _storage_ref(t: torch.Tensor) -> Any:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (fakes, some subclasses)
+        return None
+
+
+class _Uninitialized:
+    """Storages an ``empty*`` op returned that no op has written since (weakly held, by the
+    storage itself: freed memory reused by another tensor is never mistaken for them).
+
+    An op reading such memory reads noise: it is a buffer the op fills (an ``out=`` argument
+    its schema may not declare, as ``fsdp.all_gather_copy_in`` fills FSDP2's all-gather buffer),
+    so capture records it after the op, never as an input with garbage statistics."""
+
+    def __init__(self) -> None:
+        self.refs: Dict[int, Any] = {}
+
+    def add(self, value: Any) -> None:
+        refs = self.refs
+        if len(refs) > 64:  # buffers freed without ever being written (pruned in place: the
+            for k in [k for k, r in refs.items() if r.expired()]:  # mode holds this dict)
+                del refs[k]
+        for t in flatten_tensors(value):
+            ref = _storage_ref(t)
+            if ref is not None:
+                self.refs[ref.cdata] = ref
+
+    def holds(self, t: torch.Tensor) -> bool:
+        ref = _storage_ref(t)
+        if ref is None:
+            return False
+        kept = self.refs.get(ref.cdata)
+        if kept is None:
+            return False
+        if kept.expired():
+            del self.refs[ref.cdata]
+            return False
+        return True
+
+    def written(self, tensors: List[torch.Tensor]) -> None:
+        for t in tensors:
+            ref = _storage_ref(t)
+            if ref is not None:
+                self.refs.pop(ref.cdata, None)
+
+    def clear(self) -> None:
+        self.refs.clear()
+
+
+try:  # torch compiles a higher-order operator's eager wrapper (flex_attention, cond) inside this
+    from torch._higher_order_ops.utils import _in_hop_compile
+except ImportError:  # pragma: no cover - an older PyTorch: its HOPs run eagerly under the mode
+    def _in_hop_compile() -> bool:
+        return False
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 try:  # what torch._disable_dynamo around __torch_dispatch__ does, without its Python wrapper
     from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
@@ -68,13 +153,23 @@ def in_backward() -> bool:
 
 
 class _OpInfo:
-    """What the mode needs to know about an op, worked out once per op overload."""
+    """What the mode needs to know about an op, worked out once per op overload.
 
-    __slots__ = ("name", "mutable", "overwrites_self", "collective")
+    ``name`` is empty for an op that is not recorded (it may still write memory: ``writes``).
+    ``outs`` names the schema's ``out=`` arguments, ``writes`` the ``(position, name)`` of every
+    argument it marks written; ``hop``: a higher-order operator; ``uninitialized``: an ``empty*``
+    op (its output is noise until written)."""
 
-    def __init__(self, name: str, mutable: bool, overwrites_self: bool, collective: bool = False) -> None:
+    __slots__ = ("name", "mutable", "overwrites_self", "collective", "outs", "writes", "hop", "uninitialized",
+                 "is_view")
+
+    def __init__(self, name: str, mutable: bool, overwrites_self: bool, collective: bool = False, *,
+                 outs: tuple = (), writes: tuple = (), hop: bool = False, uninitialized: bool = False,
+                 is_view: bool = False) -> None:
         self.name, self.mutable, self.overwrites_self = name, mutable, overwrites_self
         self.collective = collective
+        self.outs, self.writes, self.hop, self.uninitialized = outs, writes, hop, uninitialized
+        self.is_view = is_view
 
 
 _SKIPPED = _OpInfo("", False, False)
@@ -96,23 +191,67 @@ def _flat_inputs(args: tuple, kwargs: dict) -> list:
 class OpCaptureMode(TorchDispatchMode):
     """Records each op call, inputs before it runs (in-place ops mutate them) and outputs after."""
 
+    # Higher-order operators reach __torch_dispatch__ (recorded as units) instead of raising
+    # "no rule registered for HigherOrderOperator" into the workload.
+    supports_higher_order_operators = True
+
     def __init__(self, session: "CaptureSession") -> None:
         super().__init__()
         self.session = session
         self._info: Dict[Any, _OpInfo] = {}
         self._scopes: Dict[str, bool] = {}
         self.deferred = Deferred()  # collectives recorded once their result is ready
+        self.uninitialized = _Uninitialized()
+        self._pending = self.uninitialized.refs  # non-empty while an uninitialized buffer is live
+        self.hops_seen: Dict[str, int] = {}  # higher-order operators recorded, by name
 
     def _describe(self, func: Any) -> _OpInfo:
+        if isinstance(func, HigherOrderOperator):
+            name = HOP_PREFIX + func.name()
+            info = _OpInfo(name if self.session.filter.want_op(name) else "", True, False, hop=True)
+            self._info[func] = info
+            return info
         name = str(func)
-        if name in _ALWAYS_SKIP or (not self.session.filter.views and getattr(func, "is_view", False)) \
+        schema = func._schema
+        writes = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write)
+        is_view = bool(getattr(func, "is_view", False))
+        if name in _ALWAYS_SKIP or (not self.session.filter.views and is_view) \
                 or not self.session.filter.want_op(name):
-            info = _SKIPPED
+            info = _OpInfo("", False, False, writes=writes, uninitialized=name in _UNINITIALIZED,
+                           is_view=is_view) if writes or name in _UNINITIALIZED else _SKIPPED
         else:
-            info = _OpInfo(name, bool(func._schema.is_mutable), name in _OVERWRITES_SELF,
-                           name.startswith(COLLECTIVE_NAMESPACES))
+            info = _OpInfo(name, bool(schema.is_mutable), name in _OVERWRITES_SELF,
+                           name.startswith(COLLECTIVE_NAMESPACES),
+                           outs=tuple(a.name for a in schema.arguments if a.is_out), writes=writes,
+                           is_view=is_view)
         self._info[func] = info
         return info
+
+    def _wrote(self, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> None:
+        """After an op: forget what capture recorded of the memory it wrote (a write through
+        ``.data`` or by a collective bumps no version counter), and which buffers are no longer
+        uninitialized (what it wrote, and what it returned unless it is a view)."""
+        try:
+            written = _written(info, args, kwargs) if info.writes or info.collective else []
+            rec = self.session.recorder
+            if written and rec is not None:
+                rec.forget(written)
+            if self.uninitialized.refs:
+                self.uninitialized.written(written if info.is_view else written + flatten_tensors(out))
+        except Exception as err:  # noqa: BLE001 - capture's own error: never the workload's
+            self.session.capture_failed(err)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo refuses to compile a frame under a dispatch mode. Eager flex_attention, cond,
+        # while_loop... compile a one-call wrapper of their HOP (fullgraph=True). Skipped, that
+        # fails: flex_attention raises "found no compiled frames", and Dynamo remembers the skip,
+        # so the same call without capture later fails too. For those wrappers only (torch marks
+        # them: _in_hop_compile), capture lets Dynamo compile; their graph calls the HOP, which
+        # reaches __torch_dispatch__ and is recorded as one unit. Module hooks do nothing while
+        # Dynamo traces (hooks.py), so a branch calling a module has no side effect to refuse.
+        return _in_hop_compile()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -146,7 +285,21 @@ class OpCaptureMode(TorchDispatchMode):
             except Exception as err:  # noqa: BLE001
                 session.capture_failed(err)
         if not info.name or session.paused or not session.recording:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if info.uninitialized:
+                self.uninitialized.add(out)
+            elif info.writes or info.collective or (self._pending and not info.is_view):
+                self._wrote(info, args, kwargs or {}, out)
+            return out
+        updates = session._updates
+        if updates is not None and updates.stack:  # inside optimizer.step() & co (optimizer.py)
+            out = updates.dispatch(self, func, info, args, kwargs or {})
+            if info.writes or info.collective or self._pending:
+                try:  # what the update wrote is not what capture recorded of that memory before
+                    self._wrote(info, args, kwargs or {}, out)
+                except Exception as err:  # noqa: BLE001
+                    session.capture_failed(err)
+            return out
         backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
         if backward:
             scope = session.current_scope(True)
@@ -157,7 +310,10 @@ class OpCaptureMode(TorchDispatchMode):
         if wanted is None:
             wanted = self._scopes[scope] = session.filter.want_scope(scope)
         if not wanted:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if info.writes or info.collective or self._pending:
+                self._wrote(info, args, kwargs or {}, out)
+            return out
         if kwargs is None:
             kwargs = {}
         # A failure of capture itself (statistics, a full disk) never reaches the workload: the op
@@ -177,6 +333,8 @@ class OpCaptureMode(TorchDispatchMode):
         if grad:
             _set_grad_enabled(False)
         try:
+            if info.writes or info.collective or self._pending:
+                self._wrote(info, args, kwargs, out)
             self._outputs(func, info, event, args, kwargs, out)
         except Exception as err:  # noqa: BLE001
             session.capture_failed(err)
@@ -191,12 +349,21 @@ class OpCaptureMode(TorchDispatchMode):
         inputs = _flat_inputs(args, kwargs)
         # what the op writes without reading (in-place fills, out= destinations, a collective's
         # output buffers) is not an input
-        skip = _overwritten(info.name, args, kwargs) \
-            if info.overwrites_self or info.collective or "out" in kwargs else ()
+        skip = _overwritten(info.name, info.outs, args, kwargs) \
+            if info.overwrites_self or info.collective or (info.outs and kwargs) else ()
+        uninitialized = self.uninitialized if self._pending else None
         slots = event.slots
         for i, t in enumerate(inputs):
-            if id(t) not in slots and id(t) not in skip:
-                rec.add(event, _INPUT_SLOTS[i] if i < 16 else f"input.{i}", t)
+            if id(t) in slots or id(t) in skip:
+                continue
+            if uninitialized is not None and uninitialized.holds(t):
+                if event.unread is None:
+                    event.unread = set()
+                event.unread.add(id(t))  # a buffer the op fills: recorded after it, if declared
+                continue
+            rec.add(event, _INPUT_SLOTS[i] if i < 16 else f"input.{i}", t)
+        if info.hop:
+            self.hops_seen[info.name] = self.hops_seen.get(info.name, 0) + 1
         return event
 
     def _outputs(self, func: Any, info: _OpInfo, event: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -224,11 +391,20 @@ class OpCaptureMode(TorchDispatchMode):
         rec = self.session.recorder
         # An in-place op returns its mutated input; its version counter is bumped only after this
         # mode returns, so de-duplication would take it for the unmodified tensor.
-        if isinstance(out, _Tensor):
+        unread = event.unread
+        if isinstance(out, _Tensor) and unread is None:
             rec.add(event, "output.0", out, fresh=mutated)
         else:
+            declared = _overwritten(info.name, info.outs, args, kwargs) if unread else ()
             for i, t in enumerate(flatten_tensors(out)):
-                rec.add(event, _OUTPUT_SLOTS[i] if i < 16 else f"output.{i}", t, fresh=mutated)
+                slot = _OUTPUT_SLOTS[i] if i < 16 else f"output.{i}"
+                if unread is not None and id(t) in unread and id(t) not in declared:
+                    # uninitialized memory the op wrote without its schema saying so: how much
+                    # of it is still noise is unknown (FSDP2 fills one rank's slice of its
+                    # all-gather buffer), so it is named, not measured, and replay allocates it
+                    rec.add_unmeasured(event, slot, t, {"skipped": UNINITIALIZED_NOTE}, name_slot=False)
+                else:
+                    rec.add(event, slot, t, fresh=mutated)
         encoded = None
         if rec.mode == "replay":
             encoded = encode_call(args, kwargs, lambda t: rec.slot_of(event, t))

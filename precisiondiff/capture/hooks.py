@@ -8,8 +8,9 @@ exception in the user's forward or backward.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ __all__ = ["ModuleHooks", "SCOPE_TAG", "CURRENT_NODE"]
 SCOPE_TAG = "precisiondiff_scope"
 CURRENT_NODE = getattr(torch._C, "_current_autograd_node", None)
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+_is_compiling = torch.compiler.is_compiling
 _CLASS_NAMES: Dict[type, str] = {}
 
 
@@ -161,6 +163,8 @@ class ModuleHooks:
     """Hook installation and the module-level events of a capture session (a mixin)."""
 
     _recomputing = 0  # depth of module calls re-run by activation checkpointing
+    _updates: Any = None  # optimizer.Updates: the parameter updates in progress
+    _in_step = False  # inside an optimizer.step() being recorded
 
     # -- installing hooks --------------------------------------------------------------------
     def _register_names(self, root: nn.Module, prefix: str) -> None:
@@ -181,10 +185,11 @@ class ModuleHooks:
             self._handles.append(module.register_forward_hook(self._fwd_post, with_kwargs=True,
                                                               always_call=True))
         # optimizer.step(): parameter gradients are taken before it (zero_grad may follow before
-        # cap.step()), and its updates are not the model's numerics
+        # cap.step()); its ops are recorded as the step's updates (optimizer.py)
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._resume))
+        self._hook_updates()
 
     def _hook_globally(self) -> None:
         from torch.nn.modules import module as nn_module
@@ -193,8 +198,11 @@ class ModuleHooks:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
+        self._hook_updates()
 
     def _global_fwd_pre(self, module: nn.Module, args: Any) -> None:
+        if _is_compiling():
+            return
         if type(module).__name__ == "OptimizedModule" and not self.errors:
             # dynamo under capture's hooks and dispatch mode would not run what it compiles
             self.capture_failed(PrecisionDiffError(
@@ -209,19 +217,51 @@ class ModuleHooks:
     def _global_fwd_post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._fwd_post(module, args, {}, output)
 
-    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    # -- parameter updates: optimizer.step(), GradScaler, clip_grad_norm_ (optimizer.py) -----
+    def _hook_updates(self) -> None:
+        from .optimizer import Updates, patch_updates
+        self._updates = Updates()
+        self._handles.extend(patch_updates(self))
+
+    def _param_names(self) -> Dict[int, str]:
+        return {pid: f"{scope}.{pname}" if scope else pname for pid, (scope, _, pname) in self._param_owner.items()}
+
+    def _enter_update(self, make: Any) -> bool:
+        """Parameter gradients are taken first (an update may modify them: unscale_, clipping),
+        then ``make(names)``'s update is current; False when nothing is being recorded."""
         try:
             self._emit_pending_backward()
             self._emit_param_grads()
+            if self._updates is None or not self.recording or self.paused:
+                return False
+            self._updates.begin(make(self._param_names()))
+            return True
         except Exception as err:  # noqa: BLE001
             self.capture_failed(err)
-        self.paused = True  # the update itself is not part of the model's numerics
+            return False
+
+    @contextlib.contextmanager
+    def updating(self, label: str, params: List[tuple]) -> Iterator[None]:
+        """A GradScaler or clip_grad_norm_ call: its ops are events of direction ``optimizer``."""
+        from .optimizer import Update
+        entered = self._enter_update(lambda names: Update(label, names, params))
+        try:
+            yield
+        finally:
+            if entered:
+                self._updates.end()
+
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        from .optimizer import optimizer_update
+        self._in_step = self._enter_update(lambda names: optimizer_update(self, optimizer, names))
 
     def _resume(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.paused = False
+        if self._in_step and self._updates is not None:
+            self._updates.end()
+        self._in_step = False
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.paused = False
+        self._resume(optimizer, args, kwargs)
         self.step()
 
     # -- module hooks ------------------------------------------------------------------------
@@ -230,6 +270,10 @@ class ModuleHooks:
                 and self.filter.want_scope(self._names.get(module, "")))
 
     def _fwd_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if _is_compiling():
+            # Dynamo tracing a module call (a HOP's branch, dispatch.ignore_compile_internals):
+            # no state touched, so no side effect for it to refuse; the HOP is the recorded unit
+            return
         scope = self._names.get(module, "")
         self._stack.append(scope)
         # A forward during backward is activation checkpointing recomputing what the forward
@@ -268,6 +312,8 @@ class ModuleHooks:
         self._fwd_inputs.setdefault(id(module), []).append((event, encoded))
 
     def _fwd_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _is_compiling():
+            return
         scope = self._names.get(module, "")
         if scope in self._stack:
             del self._stack[len(self._stack) - 1 - self._stack[::-1].index(scope)]

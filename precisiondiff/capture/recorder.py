@@ -72,7 +72,7 @@ class PendingEvent:
     ``extra`` holds event fields beyond the schema's (a collective's group)."""
 
     __slots__ = ("kind", "scope", "name", "direction", "call", "step", "tensors", "slots", "device",
-                 "output_seen", "seq", "args", "extra")
+                 "output_seen", "seq", "args", "extra", "unread")
 
     def __init__(self, kind: str, scope: str, name: str, direction: str, call: int, step: int) -> None:
         self.kind = kind
@@ -88,6 +88,7 @@ class PendingEvent:
         self.seq = 0
         self.args: Any = None
         self.extra: Optional[dict] = None
+        self.unread: Optional[set] = None  # ids of uninitialized buffers the op fills (dispatch.py)
 
 
 _DTYPE_NAMES: Dict[torch.dtype, str] = {}
@@ -110,6 +111,14 @@ def _device_name(device: torch.device) -> str:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _moved(t: torch.Tensor, ptr: int) -> bool:
+    """Whether ``t`` no longer holds the memory at ``ptr`` it was recorded with."""
+    try:
+        return t.data_ptr() != ptr
+    except RuntimeError:  # no storage: it was identified by id(), which it still has
+        return False
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -168,6 +177,11 @@ class Recorder:
         self._seen: "collections.OrderedDict[tuple, Tuple[torch.Tensor, Optional[str], int]]" = collections.OrderedDict()
         # content identity -> (tensor, stats handle), the same bounded window as _seen
         self._same_content: "collections.OrderedDict[tuple, Tuple[torch.Tensor, int]]" = collections.OrderedDict()
+        # (device, storage base address) -> [(identity, content identity)] of what _seen holds
+        # there, for forget(): a write through another alias (.data) bumps no version counter.
+        # Built lazily, at the first write after new records (most steps write rarely).
+        self._by_base: Dict[tuple, List[tuple]] = {}
+        self._unindexed: List[tuple] = []  # identities recorded since _by_base was last built
 
     @property
     def stores_data(self) -> bool:
@@ -198,8 +212,10 @@ class Recorder:
                 version = t._version
             except RuntimeError:
                 version = -1
-            if version == last[1] and (last[3] is not None or not (store and self._stores)):
-                ident = last[2]
+            ident = last[2]
+            # ``t.data = other`` swaps the memory under the same tensor and version counter
+            if version == last[1] and (last[3] is not None or not (store and self._stores)) \
+                    and t.data_ptr() == ident[1]:
                 if ident[0].type != "cpu":
                     self._streams.note(ident[0])
                 event.tensors.append((slot, ident[4], ident[2], last[3], last[4], None))
@@ -209,7 +225,7 @@ class Recorder:
         if (cls is not _Tensor and cls is not _Parameter) or t.is_meta:
             t, extra = local_view(t)
             if t is None:
-                return self._add_unmeasured(event, slot, original, extra)
+                return self.add_unmeasured(event, slot, original, extra)
             if self.gather is not None and extra and "placements" in extra:
                 self.gather.note(self._key(event, slot), event, slot, original, t)
         stores = store and self._stores
@@ -231,6 +247,12 @@ class Recorder:
         ident = (device, ptr, t.shape, t.stride(), t.dtype, version)
         seen_map = self._seen
         seen = None if fresh else seen_map.get(ident)
+        if seen is not None and seen[0] is not t and _moved(seen[0], ptr):
+            # the tensor kept for this identity had its memory swapped (``.data =``): the old
+            # memory may have been freed and reused by this one, which is a new tensor
+            del seen_map[ident]
+            self._kept_bytes -= _nbytes(seen[0])
+            seen = None
         if seen is not None:
             seen_map.move_to_end(ident)
             _, data_key, handle = seen
@@ -264,6 +286,7 @@ class Recorder:
                     self._same_content[content] = (t, handle)
             if ident[5] != -1:
                 seen_map[ident] = (t, data_key, handle)
+                self._unindexed.append(ident)
                 self._kept_bytes += numel * t.element_size()
                 if len(seen_map) > self.dedup_window or self._kept_bytes > self.dedup_bytes:
                     self._evict()
@@ -290,12 +313,53 @@ class Recorder:
         step = event.step if (self.multi_step is True or (self.multi_step is None and event.step > 0)) else None
         return make_key(event.scope, event.name, event.call, event.direction, slot, step)
 
-    def _add_unmeasured(self, event: PendingEvent, slot: str, t: torch.Tensor, extra: dict) -> None:
-        """A tensor without data capture can read (meta, fake, opaque subclass): named, not measured."""
+    def add_unmeasured(self, event: PendingEvent, slot: str, t: torch.Tensor, extra: dict, *,
+                       name_slot: bool = True) -> None:
+        """A tensor recorded without statistics: one capture cannot read (meta, fake, opaque
+        subclass) or whose contents are noise (an uninitialized buffer). ``name_slot=False``
+        keeps replay arguments from referring to it (replay allocates it from dtype and shape)."""
         event.tensors.append((slot, t.dtype, t.shape, None, None, extra))
-        event.slots.setdefault(id(t), slot)
+        if name_slot:
+            event.slots.setdefault(id(t), slot)
         if event.device is None:
             event.device = str(t.device)
+
+    def forget(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The memory of these tensors was written: what was recorded of it (through any alias,
+        any view) is no longer what a later read sees, whatever its version counter says."""
+        self._last = None
+        if self._unindexed:
+            self._index()
+        by_base, seen, same = self._by_base, self._seen, self._same_content
+        if not by_base:
+            return
+        for t in tensors:
+            try:
+                base = (t.device, t.data_ptr() - t.storage_offset() * t.element_size())
+            except (RuntimeError, NotImplementedError):  # no storage: nothing of it was recorded
+                continue
+            for ident, content in by_base.pop(base, ()):
+                entry = seen.pop(ident, None)
+                if entry is not None:
+                    self._kept_bytes -= _nbytes(entry[0])
+                if content is not None:
+                    same.pop(content, None)
+
+    def _index(self) -> None:
+        """File the identities recorded since the last write under their storage's base address."""
+        by_base, seen = self._by_base, self._seen
+        for ident in self._unindexed:
+            entry = seen.get(ident)
+            if entry is None:  # evicted already: nothing of it left to forget
+                continue
+            t = entry[0]
+            try:
+                base = ident[1] - t.storage_offset() * t.element_size()
+            except RuntimeError:
+                continue
+            content = (ident[0], ident[1], ident[2].numel(), ident[4], ident[5])
+            by_base.setdefault((ident[0], base), []).append((ident, content))
+        self._unindexed.clear()
 
     def _evict(self) -> None:
         """Forget the oldest tensors beyond the window's count or bytes (they may be freed)."""
@@ -304,6 +368,12 @@ class Recorder:
             self._kept_bytes -= _nbytes(entry[0])
         while len(self._same_content) > len(self._seen):
             self._same_content.popitem(last=False)
+        if len(self._by_base) > 2 * self.dedup_window:  # entries of evicted tensors: rebuilt from _seen
+            kept = set(self._seen)
+            self._by_base = {k: v for k, v in ((k, [e for e in v if e[0] in kept])
+                                               for k, v in self._by_base.items()) if v}
+        if len(self._unindexed) > 4 * self.dedup_window:
+            self._unindexed = [i for i in self._unindexed if i in self._seen]
 
     def slot_of(self, event: PendingEvent, t: torch.Tensor) -> str:
         """The slot a tensor of this event was recorded under (for replay arguments)."""
@@ -376,6 +446,8 @@ class Recorder:
         self._last = None
         self._seen.clear()
         self._same_content.clear()
+        self._by_base.clear()
+        self._unindexed.clear()
         self._kept_bytes = 0
         self._data.clear()
         self._data_bytes = 0

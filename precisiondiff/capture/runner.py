@@ -13,7 +13,8 @@ from .replace import replacing
 from .observer import compare_snapshots, restored_rng, rng_state, set_rng_state, snapshot
 from ..runtime.copying import copy_model
 from ..runtime.targets import Target, default_dut
-from ..runtime.workload import load_workload, run_workload
+from ..runtime.training import Trainer, train_step
+from ..runtime.workload import load_workload
 
 __all__ = ["capture_workload", "capture_script"]
 
@@ -28,15 +29,23 @@ def _check(cap, path: "str | os.PathLike") -> None:
 
 def _observe(workload, tgt: Target, plain_model, inputs, result, model, before) -> dict:
     """Run the step again on the untouched copy, from the RNG state ``before`` the captured one,
-    and compare (the RNG continues afterwards as if only the captured step had run)."""
-    captured = snapshot(result.output, result.loss, model)
+    and compare (the RNG continues afterwards as if only the captured step had run). A training
+    step is rerun with its own optimizer: the updated parameters are compared too."""
+    captured = snapshot(result.output, result.loss, model) + _params(workload, model)
     after = rng_state(tgt.device)
     with restored_rng(before, tgt.device):
-        plain = run_workload(workload, tgt, model=plain_model, inputs=inputs)
-        reference = snapshot(plain.output, plain.loss, plain_model)
+        plain = train_step(workload, tgt, plain_model, inputs, Trainer(workload, plain_model))
+        reference = snapshot(plain.output, plain.loss, plain_model) + _params(workload, plain_model)
         observed = compare_snapshots(reference, captured)
     set_rng_state(after, tgt.device)  # the next step draws as if the rerun had not happened
     return observed
+
+
+def _params(workload, model) -> list:
+    """The parameters after a training step (none for a step without an optimizer)."""
+    if workload.optimizer is None:
+        return []
+    return [(f"param.{name}", p.detach()) for name, p in model.named_parameters()]
 
 
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
@@ -46,7 +55,8 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
     """Build the workload (seeded), move it to ``target``, run and capture it.
 
     Steps after the first rerun the same forward/backward (gradients zeroed), which is how
-    run-to-run determinism is observed within one dump. With ``repeat > 1`` the whole capture is
+    run-to-run determinism is observed within one dump. A training workload (``optimizer=``)
+    runs ``workload.steps`` training steps by default, each ending with its optimizer step. With ``repeat > 1`` the whole capture is
     done ``repeat`` times into ``out/run0``... for ``precisiondiff compare`` to measure noise.
 
     Returns:
@@ -57,9 +67,11 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
     """
     tgt = Target.parse(target) if target is not None else default_dut()
     tgt.check_available()
-    selection = parse_selection(steps if steps is not None else "0")
-    n_steps = (max(selection) + 1) if selection else 1
     workload = load_workload(spec, seed=seed)
+    if steps is None:
+        steps = "0" if workload.steps == 1 else f"0-{workload.steps - 1}"
+    selection = parse_selection(steps)
+    n_steps = (max(selection) + 1) if selection else 1
     lines = []
     for run in range(repeat):
         path = os.path.join(out, f"run{run}") if repeat > 1 else out
@@ -68,18 +80,19 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         inputs = tgt.prepare_inputs(workload.inputs)
         observed = None
         meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
-                "backward": workload.loss is not None, "repeat": run}
+                "backward": workload.loss is not None, "repeat": run,
+                "optimizer": workload.optimizer is not None}
         with replacing(path, overwrite) as target_dir:
             # observer effect: step 0 again without capture, from the same weights (a copy taken
             # before any hook) and the same RNG state
             plain_model = copy_model(model)
+            trainer = Trainer(workload, model)
             try:
                 with capture(target_dir, model=model, level=level, mode=mode, format=format,
-                             steps=steps if steps is not None else "0", meta=meta, overwrite=overwrite,
-                             **filters) as cap:
+                             steps=steps, meta=meta, overwrite=overwrite, **filters) as cap:
                     for i in range(n_steps):
                         before = rng_state(tgt.device)
-                        result = run_workload(workload, tgt, model=model, inputs=inputs)
+                        result = train_step(workload, tgt, model, inputs, trainer)
                         tgt.synchronize()
                         if i == 0:
                             with cap.suspended():
@@ -87,7 +100,7 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
                             del plain_model
                             cap.update_meta(observer_effect=observed)
                         cap.step()
-                        model.zero_grad(set_to_none=True)
+                        trainer.zero_grad(model)
             except WorkloadError as err:
                 if overwrite and target_dir != os.fspath(path):
                     raise

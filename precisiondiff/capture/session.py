@@ -24,7 +24,7 @@ from torch import nn
 
 from ..errors import PrecisionDiffError
 from . import distributed
-from .dispatch import OpCaptureMode
+from .dispatch import HOP_NOTE, OpCaptureMode
 from .filters import CaptureFilter, parse_selection
 from .gather import FullGather, wanted as gather_wanted
 from .hooks import CURRENT_NODE, SCOPE_TAG, ModuleHooks
@@ -191,7 +191,9 @@ class CaptureSession(ModuleHooks):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._settle_collectives()
+        hops: Dict[str, int] = {}
         if self._mode is not None:
+            hops = self._mode.hops_seen
             self._mode.__exit__(None, None, None)
             self._mode = None
         self._remove_hooks()
@@ -214,6 +216,8 @@ class CaptureSession(ModuleHooks):
                 fields.update(self._layout)
             if self.errors:
                 fields["capture_errors"] = list(self.errors)
+            if hops:  # recorded as units, not op by op (dispatch.py)
+                fields["higher_order_ops"] = {name: {"calls": n, "note": HOP_NOTE} for name, n in hops.items()}
             try:
                 note(**fields)
             except Exception as err:  # noqa: BLE001
@@ -235,6 +239,7 @@ class CaptureSession(ModuleHooks):
             yield
         finally:
             if mode is not None:
+                mode.uninitialized.clear()  # what ran meanwhile may have written them unseen
                 mode.__enter__()
             self.paused = was
 
@@ -313,6 +318,8 @@ class CaptureSession(ModuleHooks):
         self._stack.clear()
         self._shortcuts.clear()
         self._boundaries.clear()
+        if self._mode is not None:
+            self._mode.uninitialized.clear()
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .options import REF, SEED, TARGET, click_options
+from .options import ACCEPT, REF, SEED, TARGET, click_options
 
 __all__ = ["bisect"]
 
@@ -41,7 +41,7 @@ def _progress():
 @click.argument("ref_dump", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
 @click_options(TARGET, REF)
-@click.option("--direction", type=click.Choice(["forward", "backward"]), default=None)
+@click.option("--direction", type=click.Choice(["forward", "backward", "optimizer"]), default=None)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click_options(SEED)
@@ -49,6 +49,7 @@ def _progress():
               "dump: its module is only imported, for its custom ops)")
 @click.option("--budget", "budgets", multiple=True, metavar="[KEY:]FIELD=VALUE",
               help="op budget override (repeatable), e.g. --budget aten.mm:max_ulp=4")
+@click_options(ACCEPT)
 @click.option("--noise", is_flag=True, default=False,
               help="live: run the DUT twice; a nondeterministic op within 2x its run-to-run difference "
                    "is not a culprit")
@@ -62,7 +63,7 @@ def _progress():
                    "and bisect it; the script's arguments go after --")
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="with --script: keep the dumps in this directory (default: a temporary one, removed)")
-def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, noise,
+def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, accept, noise,
            confirm, card_path, script, keep) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
@@ -115,10 +116,11 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                 _tell_torchrun(result)
         elif offline:
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
-                                 budgets=list(budgets), progress=progress)
+                                 budgets=list(budgets), progress=progress, accept=list(accept))
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
-                              budgets=list(budgets), progress=progress, noise=noise, confirm=confirm)
+                              budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,
+                              accept=list(accept))
     _emit(result, card, multi, fmt, out)
 
 

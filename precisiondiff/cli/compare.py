@@ -18,7 +18,7 @@ __all__ = ["compare", "report", "scan"]
 _FILTERS = [
     click.option("--scope", default=None, help="compare only events whose module path matches this regex"),
     click.option("--op", default=None, help="compare only events whose op or module name matches this regex"),
-    click.option("--direction", type=click.Choice(["forward", "backward"]), default=None),
+    click.option("--direction", type=click.Choice(["forward", "backward", "optimizer"]), default=None),
     click.option("--kind", type=click.Choice(["module", "op", "param"]), default=None),
     click.option("--inputs", is_flag=True, help="compare input slots too (default: outputs and gradients)"),
     click.option("--device", default=None, help="run the comparisons on this device (cuda, mlu:0, ...)"),

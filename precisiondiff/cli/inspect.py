@@ -13,7 +13,7 @@ __all__ = ["ls_command", "verify"]
 @click.command("ls")
 @click.argument("dump", type=click.Path())
 @click.option("--kind", type=click.Choice(["module", "op", "param"]), default=None)
-@click.option("--direction", type=click.Choice(["forward", "backward"]), default=None)
+@click.option("--direction", type=click.Choice(["forward", "backward", "optimizer"]), default=None)
 @click.option("--scope", default=None, help="regex on the module path")
 @click.option("--name", default=None, help="regex on the op or module class name")
 @click.option("--step", type=int, default=None)

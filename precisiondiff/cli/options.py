@@ -22,6 +22,7 @@ class Option:
     type: Any = str
     is_flag: bool = False
     negatable: bool = False  # a boolean flag with a ``--no-`` form: --bisect/--no-bisect
+    multiple: bool = False  # repeatable: its values are collected in a list
 
     @property
     def dest(self) -> str:
@@ -53,6 +54,9 @@ DUMP_DIR = Option(("--dump-dir",), None, "keep the dumps (DUT and reference) of 
                   "for `precisiondiff report`")
 BISECT = Option(("--bisect",), True, "on a parity failure, bisect to the culprit op and report it",
                 type=bool, is_flag=True, negatable=True)
+ACCEPT = Option(("--accept",), None, "accept a finding you have read, OP[@SCOPE] (repeatable; also "
+                "[tool.precisiondiff] accept in pyproject.toml or precisiondiff.toml): that op does not "
+                "offend and the next offending unit becomes the culprit", multiple=True)
 KERNELS = Option(("--kernels",), False, "judge every op against its own budget (kernels=True) in every "
                  "parity check, even when the final output is within its bound: a kernel CI's switch",
                  type=bool, is_flag=True)
@@ -68,6 +72,7 @@ PYTEST_OPTIONS = (
     BISECT.renamed("--parity-bisect"),
     SEED.renamed("--parity-seed"),
     KERNELS.renamed("--parity-kernels"),
+    ACCEPT.renamed("--parity-accept"),
 )
 
 
@@ -82,6 +87,8 @@ def pytest_options(group: Any, *options: Option) -> None:
                                 dest=opt.dest, help=f"do not: {opt.help}")
             continue
         kwargs: dict = {"dest": opt.dest, "default": opt.default, "help": opt.help}
+        if opt.multiple:
+            kwargs["action"] = "append"
         if opt.choices:
             kwargs["choices"] = opt.choices
         if opt.type is not str:
@@ -104,6 +111,8 @@ def click_options(*options: Option) -> Callable[[Callable], Callable]:
                 continue
             elif opt.is_flag:
                 kwargs["is_flag"] = True
+            elif opt.multiple:
+                kwargs.update(multiple=True, show_default=False, metavar="OP[@SCOPE]")
             else:
                 kwargs["type"] = opt.type
             fn = click.option(*opt.flags, opt.dest, **kwargs)(fn)

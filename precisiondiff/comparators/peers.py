@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bounds import PEER_FACTOR, PEER_FACTOR_LOW
+from .error_stats import judge_statistics
 from .ulp import float_format
 
 __all__ = ["PeerVerdict", "judge_against_peers", "significance_floor", "peer_factor", "peer_dtype", "compute_dtype",
@@ -115,6 +116,9 @@ class PeerVerdict:
             threshold, plus the accumulation allowance).
         special_mismatch: NaN/Inf positions no peer explains.
         message: one line when it fails.
+        stats: the error statistics' figures (:func:`~precisiondiff.comparators.error_stats.judge_statistics`:
+            bias, RMSE ratio and its significance, tail, flushed subnormals).
+        notes: facts reported without a verdict (subnormal outputs flushed to zero).
     """
 
     passed: bool
@@ -129,6 +133,8 @@ class PeerVerdict:
     peer_max_error: float
     special_mismatch: int
     message: str = ""
+    stats: Dict[str, Any] = field(default_factory=dict)
+    notes: Tuple[str, ...] = ()
 
     def as_dict(self) -> Dict[str, Any]:
         """JSON-safe fields (infinities as strings)."""
@@ -138,7 +144,7 @@ class PeerVerdict:
                 "peers": {k: safe(v) for k, v in self.peers.items()}, "floor": safe(self.floor),
                 "factor": self.factor, "bound": safe(self.bound), "max_error": safe(self.max_error),
                 "peer_max_error": safe(self.peer_max_error), "ratio": safe(self.ratio),
-                "special_mismatch": self.special_mismatch}
+                "special_mismatch": self.special_mismatch, "stats": self.stats, "notes": list(self.notes)}
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -153,10 +159,9 @@ def element_scale(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Option
     error), plus what float32 accumulation of the op's magnitude may add and one rounding, in
     the DUT dtype, of a partial result as large as the magnitude (a split or scattered sum:
     an element that cancels is judged against what was summed into it)."""
-    from .ulp import ulp_spacing
+    from .error_stats import element_ulp
     g = torch.where(torch.isfinite(golden), golden, torch.zeros_like(golden)).abs()
-    rms = float(g.pow(2).mean().sqrt()) if g.numel() else 0.0
-    scale = ulp_spacing(torch.clamp(g, min=SIGNIFICANCE * rms), dtype).to(torch.float64)
+    scale = element_ulp(g, dtype, SIGNIFICANCE)
     if magnitude is not None and k:
         u_acc = float_format(peer_dtype(dtype)).unit_roundoff
         m = magnitude.detach().to(device=g.device, dtype=torch.float64).abs().flatten()
@@ -216,7 +221,8 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
     m_bound = factor * m_peer + MAX_FLOOR
     l2_ok = e_dut <= bound
     max_ok = m_dut <= m_bound
-    passed = n_special == 0 and l2_ok and max_ok
+    stats = judge_statistics(d, g, rounded, ps, dtype, significance=SIGNIFICANCE, scale=scale)
+    passed = n_special == 0 and l2_ok and max_ok and stats.passed
     rel = (lambda e: e / gnorm) if gnorm > 0 else (lambda e: 0.0 if e == 0 else math.inf)
     ratio = max(e_dut / bound if bound > 0 else (0.0 if e_dut == 0 else math.inf), m_dut / m_bound)
     message = ""
@@ -232,9 +238,11 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
                          f"{factor:g} x the emulated peers' ({shown_m}) + {MAX_FLOOR:g} = {m_bound:.3g}")
         if n_special:
             parts.append(f"{n_special} NaN/Inf where the golden and every peer differ")
+        parts.extend(stats.failures)
         message = f"{what}: " + "; ".join(parts)
     return PeerVerdict(passed, rel(e_dut), rel(e_peer), {n: rel(e) for n, e in e_peers.items()}, rel(floor),
-                       factor, rel(bound), ratio, m_dut, m_peer, n_special, message)
+                       factor, rel(bound), ratio, m_dut, m_peer, n_special, message, stats.figures,
+                       tuple(stats.notes))
 
 
 def _map_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

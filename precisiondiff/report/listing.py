@@ -81,7 +81,7 @@ def render_listing(path: str, console: Any, *, kind: Optional[str] = None, direc
             s = t.stats or {}
             bad = (s.get("nan") or 0) + (s.get("inf") or 0)
             naninf = f"{s.get('nan', 0)}/{s.get('inf', 0)}"
-            head = (str(ev.seq), str(ev.step), ev.kind, "fwd" if ev.direction == "forward" else "bwd", ev.scope or "(root)", ev.name,
+            head = (str(ev.seq), str(ev.step), ev.kind, {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}.get(ev.direction, ev.direction), ev.scope or "(root)", ev.name,
                     str(ev.call), device) if i == 0 else ("",) * 8
             data = format_bytes(_nbytes(t.dtype, list(t.shape))) if t.has_data else "-"
             table.add_row(*head, t.slot, t.dtype, "x".join(map(str, t.shape)) or "()",

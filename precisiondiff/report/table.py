@@ -121,7 +121,7 @@ def render_table(c: Comparison, console: Any, *, rows: Optional[List[Row]] = Non
             note = "FIRST DIVERGENCE" + (f"; SUSPECT {suspects[r.key]} (x{format_number(r.growth)})"
                                          if r.key in suspects else "")
         cells = ([str(r.rank)] if multi else []) + [
-            ">>" if first else "", str(r.seq), {"forward": "fwd", "backward": "bwd"}.get(r.direction, r.direction), r.kind, r.scope or "(root)", r.name,
+            ">>" if first else "", str(r.seq), {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}.get(r.direction, r.direction), r.kind, r.scope or "(root)", r.name,
             r.slot, f"{r.dtype_a or '-'}/{r.dtype_b or '-'}", _fmt(r.error), _fmt(r.ulp),
             Text(r.verdict, style=_STYLE.get(r.verdict, "")), note]
         table.add_row(*cells, style="on dark_red" if first else None)

@@ -3,7 +3,10 @@
 A target string is ``DEVICE[/DTYPE][+autocast]``: ``cpu/float64``, ``cpu/bf16``,
 ``cuda:0/fp16``, ``mlu/bf16+autocast``. Without ``+autocast`` floating parameters and floating
 inputs are cast to DTYPE; with it they stay float32 and the forward runs under
-``torch.autocast(DEVICE, DTYPE)``. Integer inputs are never cast.
+``torch.autocast(DEVICE, DTYPE)``. Integer inputs are never cast. Complex parameters, buffers
+and inputs (a RoPE table ``freqs_cis``) keep a complex dtype of the target's precision:
+complex128 for float64, complex64 for every narrower float (there is no bf16 complex), never a
+real dtype (``Module.to(dtype)`` would discard their imaginary part).
 
 All accelerators (MLU, CUDA, anything registered as a PyTorch backend) share one code path:
 the device module comes from ``torch.get_device_module`` where it exists, else
@@ -36,6 +39,7 @@ __all__ = [
     "default_dut",
     "default_ref",
     "move_inputs",
+    "complex_dtype",
     "import_backends",
 ]
 
@@ -226,7 +230,8 @@ class Target:
             device_module(self.device_type).synchronize()
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """A copy of ``model`` on this target: floating params cast unless autocast.
+        """A copy of ``model`` on this target: floating params and buffers cast unless autocast,
+        complex ones to the complex dtype of the target's precision (:func:`complex_dtype`).
 
         Objects the model holds that cannot be deep-copied (process groups, locks) are shared
         with the copy (:func:`~precisiondiff.runtime.copying.copy_model`).
@@ -238,7 +243,11 @@ class Target:
         moved = copy_model(model)
         if self.autocast:
             return moved.to(self.device)
-        return moved.to(device=self.device, dtype=self.dtype)
+        real, cplx = self.dtype, complex_dtype(self.dtype)
+        # Module.to(dtype) casts complex tensors to the real dtype too (dropping the imaginary
+        # part); Module._apply is what .to() itself runs on every parameter and buffer
+        return moved._apply(lambda t: t.to(device=self.device, dtype=real if t.is_floating_point()
+                                           else cplx if t.is_complex() else None))
 
     def prepare_inputs(self, inputs: Any) -> Any:
         """Inputs on this target: floating tensors cast (float32 under autocast), others moved."""
@@ -255,11 +264,21 @@ class Target:
             yield
 
 
+def complex_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The complex dtype that goes with a floating precision: complex128 for float64,
+    complex64 for float32 and narrower (bf16, fp16, float8: torch has no complex of those that
+    its kernels support)."""
+    return torch.complex128 if dtype == torch.float64 else torch.complex64
+
+
 def move_inputs(value: Any, device: "str | torch.device", dtype: "torch.dtype | None") -> Any:
-    """Move a tensor, or a tuple/list/dict of them, to ``device``; cast floating ones to dtype."""
+    """Move a tensor, or a tuple/list/dict of them, to ``device``; cast floating ones to dtype
+    and complex ones to its :func:`complex_dtype`."""
     if isinstance(value, torch.Tensor):
         if dtype is not None and value.is_floating_point():
             return value.detach().to(device=device, dtype=dtype)
+        if dtype is not None and value.is_complex():
+            return value.detach().to(device=device, dtype=complex_dtype(dtype))
         return value.detach().to(device=device)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(move_inputs(v, device, dtype) for v in value))

@@ -35,6 +35,13 @@ class Workload:
         loss: a callable on the model's output returning a scalar; enables the backward pass.
         train: keep training mode (dropout active). Off by default: eval mode makes random ops
             deterministic so two targets cannot differ by their RNG streams.
+        optimizer: a factory of the parameters (``lambda ps: torch.optim.AdamW(ps, fused=True)``):
+            each step then ends with ``optimizer.step()`` (a training step; needs a loss). Every
+            target builds its own from its copy of the model (:mod:`precisiondiff.runtime.training`).
+        steps: how many training steps capture and bisect run (forward, backward, optimizer step).
+        scheduler: a factory of the optimizer (``lambda opt: StepLR(opt, 1)``): stepped after it.
+        scaler: a factory of a ``torch.amp.GradScaler`` (or one, copied per target): the loss is
+            scaled before backward, then ``scaler.step(optimizer)`` and ``scaler.update()``.
 
     Example:
         >>> Workload(torch.nn.Linear(4, 2), torch.randn(3, 4), loss=lambda y: y.sum())
@@ -45,6 +52,10 @@ class Workload:
     loss: Optional[Callable[[Any], torch.Tensor]] = None
     train: bool = False
     name: str = field(default="workload")
+    optimizer: Optional[Callable[[Any], Any]] = None
+    steps: int = 1
+    scheduler: Optional[Callable[[Any], Any]] = None
+    scaler: Any = None
 
 
 def seed_everything(seed: int) -> None:
@@ -141,8 +152,24 @@ def load_workload(spec: "str | Callable[[], Any] | Workload", *, seed: int = 0) 
                             "precisiondiff.Workload(model, inputs, loss=None) or (model, inputs)")
     if not isinstance(built.model, torch.nn.Module):
         raise WorkloadError(f"{label}(): the model is a {type(built.model).__name__}, not a torch.nn.Module")
+    _check_training(built, label)
     built.name = label
     return built
+
+
+def _check_training(built: Workload, label: str) -> None:
+    """A training workload's options, checked before anything runs (one-line errors)."""
+    if not isinstance(built.steps, int) or isinstance(built.steps, bool) or built.steps < 1:
+        raise WorkloadError(f"{label}(): steps must be a positive int, not {built.steps!r}")
+    for what in ("optimizer", "scheduler"):
+        value = getattr(built, what)
+        if value is not None and not callable(value):
+            raise WorkloadError(f"{label}(): {what} must be a factory (e.g. lambda ps: torch.optim.AdamW(ps)), "
+                                f"not {type(value).__name__}")
+    if built.optimizer is None and (built.scheduler is not None or built.scaler is not None):
+        raise WorkloadError(f"{label}(): a scheduler or scaler needs an optimizer (Workload(..., optimizer=...))")
+    if built.optimizer is not None and built.loss is None:
+        raise WorkloadError(f"{label}(): an optimizer needs a loss to train on (Workload(..., loss=...))")
 
 
 def call_model(model: Callable[..., Any], inputs: Any) -> Any:
@@ -165,10 +192,13 @@ class RunResult:
 
 
 def run_workload(workload: Workload, target: Target, *, model: Optional[torch.nn.Module] = None,
-                 inputs: Any = None, backward: bool = True) -> RunResult:
+                 inputs: Any = None, backward: bool = True,
+                 scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> RunResult:
     """Run one step of ``workload`` on ``target``: forward, then loss and backward if any.
 
-    ``model``/``inputs`` reuse an already prepared copy (hooks may be attached to it).
+    ``model``/``inputs`` reuse an already prepared copy (hooks may be attached to it);
+    ``scale`` maps the loss before backward (a GradScaler's ``scale``). The optimizer step of a
+    training workload is :func:`precisiondiff.runtime.training.train_step`'s.
     """
     if model is None:
         model = target.prepare_model(workload.model)
@@ -185,7 +215,7 @@ def run_workload(workload: Workload, target: Target, *, model: Optional[torch.nn
                 loss = workload.loss(output)
         if loss is not None:
             stage = "backward"
-            loss.backward()
+            (scale(loss) if scale is not None else loss).backward()
     except PrecisionDiffError:
         raise
     except Exception as err:  # the user's model or loss (or a dtype it cannot run in) failed

@@ -212,14 +212,14 @@ def _kernel_check(bisect: Dict[str, Any], direction: Optional[str]) -> TensorChe
     return TensorCheck(key, False, local, budget, message)
 
 
-def _run_bisect(workload: Workload, dut: Target, ref: Target,
-                direction: Optional[str] = None) -> Tuple[Optional[Dict[str, Any]], str]:
+def _run_bisect(workload: Workload, dut: Target, ref: Target, direction: Optional[str] = None,
+                accept: Optional[List[str]] = None) -> Tuple[Optional[Dict[str, Any]], str]:
     try:
         from ..bisect import bisect as run_bisect  # type: ignore[attr-defined]
     except ImportError:
         return None, "bisect is not available in this build"
     try:
-        result = run_bisect(workload, target=str(dut), ref=str(ref), direction=direction)
+        result = run_bisect(workload, target=str(dut), ref=str(ref), direction=direction, accept=accept)
     except PrecisionDiffError as err:
         return None, f"bisect could not run: {err}"
     data = result.to_json() if hasattr(result, "to_json") else result
@@ -231,7 +231,7 @@ def _run_bisect(workload: Workload, dut: Target, ref: Target,
 def check(workload: Any, inputs: Any = None, *, target: "str | Target | None" = None,
           ref: "str | Target | None" = None, loss: Optional[Callable] = None, seed: int = 0,
           bisect: bool = True, kernels: bool = False, direction: Optional[str] = None,
-          dump_dir: Optional[str] = None, **budgets: Any) -> ParityResult:
+          dump_dir: Optional[str] = None, accept: Optional[List[str]] = None, **budgets: Any) -> ParityResult:
     """Run a workload on the DUT and the reference; judge outputs, loss and gradients.
 
     Args:
@@ -248,6 +248,7 @@ def check(workload: Any, inputs: Any = None, *, target: "str | Target | None" = 
             (a small model can hide a kernel bug that a large one amplifies).
         direction: with ``kernels``, search ``"forward"`` or ``"backward"`` units only.
         dump_dir: on failure, keep dumps of both runs under this directory.
+        accept: findings accepted in the bisect, ``["OP[@SCOPE]", ...]`` (:func:`precisiondiff.bisect.bisect`).
         **budgets: ``rel_l2`` (default ``PARITY_FACTOR * u``), ``max_ulp``, ``min_cosine``.
 
     Returns:
@@ -274,13 +275,13 @@ def check(workload: Any, inputs: Any = None, *, target: "str | Target | None" = 
         if key in expected:
             result.checks.append(_judge(key, tensor, expected[key], bound))
     if kernels:
-        result.bisect, result.bisect_error = _run_bisect(built, dut, golden, direction=direction)
+        result.bisect, result.bisect_error = _run_bisect(built, dut, golden, direction=direction, accept=accept)
         if result.bisect is None:
             raise PrecisionDiffError(f"kernels=True needs bisect: {result.bisect_error}")
         result.checks.append(_kernel_check(result.bisect, direction))
     elif not result.passed:
         if bisect:
-            result.bisect, result.bisect_error = _run_bisect(built, dut, golden)
+            result.bisect, result.bisect_error = _run_bisect(built, dut, golden, accept=accept)
         else:
             result.bisect_error = "bisect disabled (--no-parity-bisect)"
         if dump_dir is not None:
@@ -404,7 +405,9 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
                                      {n: (p[index] if index < len(p) else None) for n, p in peers.items()},
                                      magnitude=mag, k=k, dtype=cdt, what=key)
         shown = {"rule": "peer", "factor": pv.factor, "bound_rel_l2": pv.bound, "peer_rel_l2": pv.peer_error,
-                 "max_error": pv.max_error, "peer_max_error": pv.peer_max_error}
+                 "max_error": pv.max_error, "peer_max_error": pv.peer_max_error, "stats": pv.stats}
+        if pv.notes:
+            shown["notes"] = list(pv.notes)
         if k is not None:
             shown["k"] = k
         result.checks.append(TensorCheck(key, pv.passed, _metrics(out, exp), shown, pv.message))

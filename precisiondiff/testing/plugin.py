@@ -9,7 +9,8 @@ Installed through the ``pytest11`` entry point, so installing precisiondiff enab
   defaults for a test, class or module; unknown keywords are a usage error;
 * options (one group): ``--parity-target`` (comma-separated: one test per target),
   ``--parity-ref``, ``--parity-dump-dir``, ``--parity-bisect/--no-parity-bisect``, ``--parity-seed``,
-  ``--parity-kernels`` (every ``check`` runs with ``kernels=True``: a kernel CI's switch).
+  ``--parity-kernels`` (every ``check`` runs with ``kernels=True``: a kernel CI's switch),
+  ``--parity-accept OP[@SCOPE]`` (repeatable: findings bisect passes over, as ``--accept``).
 
 Tests using ``parity`` are parametrized by target, so ``pytest -v`` shows ``test_x[cpu/bf16]``;
 a target whose device is missing skips the test with the reason, whether the target came from
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["MARKER_KEYS", "ParitySettings", "ParityFixture"]
 
 # Keywords the marker accepts, and what they set (documented in docs/pytest.md).
-MARKER_KEYS = ("target", "ref", "rel_l2", "max_ulp", "min_cosine", "kernels", "direction", "bisect", "seed")
+MARKER_KEYS = ("target", "ref", "rel_l2", "max_ulp", "min_cosine", "kernels", "direction", "bisect", "seed",
+               "accept")
 _BUDGETS = ("rel_l2", "max_ulp", "min_cosine")
 
 
@@ -53,10 +55,14 @@ class ParitySettings:
     kernels: bool = False
     direction: Optional[str] = None
     budgets: Dict[str, float] = field(default_factory=dict)
+    accept: Tuple[str, ...] = ()
 
     def merged(self, **values: Any) -> "ParitySettings":
         budgets = dict(self.budgets)
         budgets.update({k: values.pop(k) for k in list(values) if k in _BUDGETS})
+        if "accept" in values:  # accepts add up: command line, markers, the call
+            more = values.pop("accept")
+            values["accept"] = self.accept + ((more,) if isinstance(more, str) else tuple(more))
         return replace(self, budgets=budgets, **values)
 
 
@@ -89,12 +95,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "parity(target=None, ref=None, rel_l2=None, max_ulp=None, min_cosine=None, kernels=False, "
-        "direction=None, bisect=True, seed=0): defaults for the parity fixture in this test, class "
+        "direction=None, bisect=True, seed=0, accept=()): defaults for the parity fixture in this test, class "
         "or module (precisiondiff)")
     config.stash[_SETTINGS] = ParitySettings(
         target=config.getoption("parity_target"), ref=config.getoption("parity_ref"),
         dump_dir=config.getoption("parity_dump_dir"), bisect=config.getoption("parity_bisect"),
-        seed=config.getoption("parity_seed"), kernels=config.getoption("parity_kernels"))
+        seed=config.getoption("parity_seed"), kernels=config.getoption("parity_kernels"),
+        accept=tuple(config.getoption("parity_accept") or ()))
     _check_targets(config)
 
 
@@ -252,7 +259,7 @@ class ParityFixture:
             loss: a loss on the output (enables gradients).
             expect: fail the test on a divergence (False: just return the result).
             **options: any marker keyword (target, ref, rel_l2, max_ulp, min_cosine, kernels,
-                direction, bisect, seed).
+                direction, bisect, seed, accept).
 
         Returns:
             The :class:`precisiondiff.parity.ParityResult`.
@@ -262,7 +269,7 @@ class ParityFixture:
         s, budgets = self._settings(options)
         result = parity.check(workload, inputs, target=s.target, ref=s.ref, loss=loss, seed=s.seed,
                               bisect=s.bisect, kernels=s.kernels, direction=s.direction,
-                              dump_dir=self._dump_dir(), **budgets)
+                              dump_dir=self._dump_dir(), accept=list(s.accept), **budgets)
         return self._finish(result, expect)
 
     def check_op(self, fn: Callable[..., Any], *inputs: Any, expect: bool = True,

@@ -166,8 +166,11 @@ def test_steps_and_training_loop_api(tmp_path):
     # parameter gradients are taken before opt.step(), although zero_grad() runs before cap.step()
     grads = [e for e in dump.events() if e.kind == "param"]
     assert {e.step for e in grads} == {1, 2} and len(grads) == 4
-    # the optimizer's updates are not recorded as model ops
-    assert not any(e.kind == "op" and e.name.startswith(("aten.add_", "aten._foreach")) and e.scope == ""
+    # the optimizer's updates are its own events (direction optimizer), never the model's ops
+    updates = [e for e in dump.events() if e.direction == "optimizer"]
+    assert {e.step for e in updates} == {1, 2}
+    assert all(e.scope.startswith("optimizer.param_groups.0/") for e in updates)
+    assert not any(e.kind == "op" and e.name.startswith(("aten.add_", "aten._foreach")) and e.direction != "optimizer"
                    for e in dump.events())
 
 

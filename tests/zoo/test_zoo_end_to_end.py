@@ -45,7 +45,7 @@ def test_zoo_model_captures_compares_and_reports(tmp_path, name):
 @pytest.mark.parametrize("name", ["gpt2", "resnet"])
 def test_zoo_training_steps_with_an_optimizer(tmp_path, name):
     """Two AdamW steps under the Python API: step-prefixed keys, gradients of tied weights and
-    models with buffers recorded, the optimizer's own update not recorded as model ops."""
+    models with buffers recorded, the optimizer's own update recorded as its events, not as model ops."""
     torch.manual_seed(0)
     workload = ZOO[name]()
     model = workload.model.train()
@@ -61,7 +61,11 @@ def test_zoo_training_steps_with_an_optimizer(tmp_path, name):
     dump = store.load(tmp_path / "d")
     events = list(dump.events())
     assert {e.step for e in events} == {0, 1}
-    assert not any("_foreach" in e.name or "adam" in e.name.lower() for e in events)
+    updates = [e for e in events if e.direction == "optimizer"]
+    assert {e.step for e in updates} == {0, 1}
+    assert all(e.scope.startswith("optimizer") for e in updates)
+    assert not any(("_foreach" in e.name or "adam" in e.name.lower() or e.name.startswith("aten.lerp_"))
+                   and e.direction != "optimizer" for e in events)
     grads = {t.slot for e in events if e.kind == "param" and e.step == 1 for t in e.tensors}
     if name == "gpt2":  # lm_head.weight is transformer.wte.weight: one parameter, one gradient
         assert model.lm_head.weight is model.transformer.wte.weight

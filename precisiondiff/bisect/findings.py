@@ -1,0 +1,117 @@
+"""Findings the user has read: the known stock findings, and accepted ones (``--accept OP[@SCOPE]``).
+
+Bisect reports every offending unit in execution order (``culprits``); the first is ``culprit``. A
+unit whose op is in :data:`KNOWN_FINDINGS` for the DUT's device and dtype is annotated
+``known: ...`` (a documented stock kernel behaviour, docs/bisect.md "Findings on stock kernels",
+with the measurement behind it). An *accepted* op is judged as usual but does not offend: the
+search goes on, so the next offending unit becomes ``culprit``; the accepted units are listed in
+``accepted``. Accepts come from the call (``accept=[...]``, ``--accept``, ``--parity-accept``)
+and from the project's configuration: ``accept = [...]`` in the ``[tool.precisiondiff]`` table of
+``pyproject.toml`` or in ``precisiondiff.toml`` (top level or the same table), in the current
+directory.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from ..errors import BisectError
+
+__all__ = ["KNOWN_FINDINGS", "Accept", "parse_accepts", "configured_accepts", "resolve_accepts", "known_finding",
+           "CONFIG_FILES"]
+
+#: op name -> {"device", "dtype", "finding", "measured"}: stock kernel behaviours verified by hand
+#: against a float64 replay (benchmarks/stock_findings.py reproduces each).
+KNOWN_FINDINGS: Dict[str, Dict[str, str]] = {
+    "aten.native_layer_norm_backward.default": {
+        "device": "cpu", "dtype": "bfloat16",
+        "finding": "CPU bf16 reduces grad_weight/grad_bias with bf16 partial sums",
+        "measured": "grad_bias rel-L2 4.9e-3 vs 1.5e-3 for float32 rounded once (24 rows x 64), 3.9e-2 vs 1.7e-3 "
+                    "(2048 rows), same on AVX512/AVX2/DEFAULT, torch 2.13 (docs/bisect.md, Findings on stock kernels)",
+    },
+}
+
+#: The configuration files read, in the current directory, in this order.
+CONFIG_FILES = ("pyproject.toml", "precisiondiff.toml")
+
+
+@dataclass(frozen=True)
+class Accept:
+    """One accepted finding: an op name (exact, or a prefix before an overload) and optionally the
+    module scope it is accepted in (exact, or an enclosing module path)."""
+
+    op: str
+    scope: Optional[str] = None
+
+    def matches(self, name: str, scope: str) -> bool:
+        """Whether an op call ``name`` in ``scope`` is accepted."""
+        op_ok = name == self.op or name.startswith(self.op + ".")
+        return op_ok and (self.scope is None or scope == self.scope or scope.startswith(self.scope + "."))
+
+    def __str__(self) -> str:
+        return self.op if self.scope is None else f"{self.op}@{self.scope}"
+
+
+def parse_accepts(specs: Iterable[str]) -> List[Accept]:
+    """``["OP", "OP@SCOPE", ...]`` -> accepts (``aten.native_layer_norm_backward``,
+    ``aten.mm.default@model.layers.0``).
+
+    Raises:
+        BisectError: an empty op name or scope.
+    """
+    out = []
+    for spec in specs:
+        text = str(spec).strip()
+        op, _, scope = text.partition("@")
+        if not op or ("@" in text and not scope):
+            raise BisectError(f"--accept {spec!r}: expected OP[@SCOPE], e.g. aten.native_layer_norm_backward "
+                              "or aten.mm.default@model.layers.0")
+        out.append(Accept(op, scope or None))
+    return out
+
+
+def configured_accepts(directory: Optional[str] = None) -> List[str]:
+    """The ``accept`` list of ``[tool.precisiondiff]`` in ``pyproject.toml`` and of
+    ``precisiondiff.toml`` (top level or ``[tool.precisiondiff]``) in ``directory`` (default: the
+    current one).
+
+    Raises:
+        BisectError: a file that is not TOML, or an ``accept`` that is not a list of strings.
+    """
+    import tomllib
+    found: List[str] = []
+    for name in CONFIG_FILES:
+        path = os.path.join(directory or os.getcwd(), name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise BisectError(f"{path}: not readable as TOML ({err})") from err
+        table: Any = data.get("tool", {}).get("precisiondiff", {})
+        values = table.get("accept") if isinstance(table, dict) else None
+        if values is None and name == "precisiondiff.toml":
+            values = data.get("accept")
+        if values is None:
+            continue
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise BisectError(f"{path}: accept must be a list of 'OP[@SCOPE]' strings")
+        found.extend(values)
+    return found
+
+
+def resolve_accepts(accept: Optional[Sequence[str]], *, config: bool = True) -> List[Accept]:
+    """The accepts of a bisect: those given, then the configured ones (:func:`configured_accepts`)."""
+    if isinstance(accept, str):
+        accept = [accept]
+    return parse_accepts(list(accept or []) + (configured_accepts() if config else []))
+
+
+def known_finding(name: str, device: str, dtype: str) -> Optional[str]:
+    """``"known: <finding>"`` when ``name`` on ``device``/``dtype`` is a documented stock finding."""
+    entry = KNOWN_FINDINGS.get(name)
+    if entry is None or entry["device"] != device or entry["dtype"] != dtype:
+        return None
+    return f"known: {entry['finding']} ({entry['measured']})"
