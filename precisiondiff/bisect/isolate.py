@@ -21,6 +21,7 @@ from ..capture.serialize import decode_call, flatten_tensors
 from ..comparators.accumulation import is_random_call
 from ..comparators.peers import reductions_in_dtype, reference_semantics
 from ..runtime.copying import copy_model
+from ..runtime.targets import complex_dtype
 from .references import reference_for
 
 __all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
@@ -379,8 +380,10 @@ class GoldenMode(TorchDispatchMode):
 
 
 def _module_copy(template: torch.nn.Module, ev: UnitEvent, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    module = copy_model(template).to(device=device)
-    module = module.to(dtype=dtype)
+    cplx = complex_dtype(dtype)
+    # not Module.to(dtype): it casts complex buffers (a RoPE table) to the real dtype
+    module = copy_model(template)._apply(lambda t: t.to(
+        device=device, dtype=dtype if t.is_floating_point() else cplx if t.is_complex() else None))
     up = _upcaster(device, dtype)
     with torch.no_grad():
         for slot, info in ev.slots.items():
@@ -398,7 +401,7 @@ def _module_copy(template: torch.nn.Module, ev: UnitEvent, device: str, dtype: t
             if target.shape != value.shape:
                 raise Unreplayable(f"{ev.scope}: parameter {name} has shape {tuple(value.shape)} "
                                    f"in the capture but {tuple(target.shape)} in the model")
-            if target.is_floating_point():
+            if target.is_floating_point() or target.is_complex():
                 target.data = value.to(target.dtype)
             else:
                 target.data = value

@@ -1,0 +1,57 @@
+"""torchtitan's own Llama 3 (tiny, random weights, SDPA attention, its complex64 RoPE table) as
+``file.py:fn`` workloads (examples/frameworks/torchtitan_llama.py), one process: capture at the
+module and op levels in stats and replay modes, compare with float64, bisect clean and with a
+planted RMSNorm in block 1. Skipped without torchtitan (which needs triton to import)."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+import precisiondiff  # noqa: E402
+from precisiondiff.capture.runner import capture_workload  # noqa: E402
+
+SPEC = str(Path(__file__).resolve().parents[2] / "examples" / "frameworks" / "torchtitan_llama.py")
+PLANT = "pdframeworks.rough_rms_norm.default"
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tt")
+    for name, target, level, mode in [("ref", "cpu/float64", "all", "stats"), ("mod", "cpu/bf16", "module", "stats"),
+                                      ("op", "cpu/bf16", "op", "replay")]:
+        capture_workload(f"{SPEC}:build", out / name, target=target, level=level, mode=mode)
+    return out
+
+
+def test_capture_keeps_the_complex_rope_table_and_records_both_levels(dumps):
+    op = precisiondiff.load(dumps / "op")
+    rotations = {t.dtype for ev in op.events() for t in ev.tensors
+                 if ev.scope.endswith("attention.rope") and t.dtype.startswith("complex")}
+    assert rotations == {"complex64"}  # the table is not cast to a real dtype
+    assert any(ev.kind == "op" and ev.scope == "layers.1.feed_forward.w1" for ev in op.events())
+    mod = precisiondiff.load(dumps / "mod")
+    assert {ev.direction for ev in mod.events() if ev.scope == "layers.1.attention"} == {"forward", "backward"}
+
+
+def test_compare_with_float64_aligns_every_block(dumps):
+    result = precisiondiff.compare(str(dumps / "mod"), str(dumps / "ref"), kind="module")
+    assert result.summary["unmatched_a"] == 0, result.summary
+    assert any(row.match and row.scope == "layers.1.feed_forward" for row in result.rows)
+
+
+def test_bisect_clean_gets_no_kernel_verdict():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Casting complex values to real")
+        result = precisiondiff.bisect(f"{SPEC}:build", target="cpu/bf16")
+    assert result.verdict in ("parity", "accumulated"), result.culprit
+
+
+def test_bisect_names_the_planted_rms_norm():
+    result = precisiondiff.bisect(f"{SPEC}:build_planted", target="cpu/bf16")
+    c = result.culprit
+    assert result.verdict == "kernel" and (c["kind"], c["name"], c["scope"], c["direction"]) == \
+        ("op", PLANT, "layers.1.ffn_norm", "forward"), c
