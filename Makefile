@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PD := $(VENV)/bin/precisiondiff
 RUNS ?= runs
 
-.PHONY: venv demo test test-portability bench clean
+.PHONY: venv demo test test-portability test-frameworks bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,15 @@ test-portability: venv
 	  ATEN_CPU_CAPABILITY=$$cap TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/inductor-$$cap \
 	    $(PY) -m pytest -q -m stock_kernels $(XDIST); \
 	done
+
+# The framework jobs (tests/frameworks, docs/frameworks.md): DeepSpeed, torchtitan (with triton)
+# installed beside the pinned torch, then their tests. Not part of `make test` (the install is
+# ~5 minutes and 1.3 GB; DeepSpeed builds a C++ op on its first start); the tests skip without them.
+test-frameworks: venv
+	mkdir -p build
+	$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > build/constraints.txt
+	$(PY) -m pip install -q -c build/constraints.txt deepspeed triton torchtitan
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests/frameworks
 
 bench: venv
 	$(PY) benchmarks/bench_capture.py
