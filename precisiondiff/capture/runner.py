@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 from typing import List, Optional
 
@@ -12,6 +11,7 @@ from .filters import parse_selection
 from .replace import replacing
 from .observer import compare_snapshots, restored_rng, rng_state, set_rng_state, snapshot
 from ..runtime.copying import copy_model
+from ..runtime.script import run_as_main
 from ..runtime.targets import Target, checked_held, default_dut
 from ..runtime.training import Trainer, train_step
 from ..runtime.workload import load_workload, run_workload
@@ -145,24 +145,10 @@ def capture_script(script: str, args: List[str], out: "str | os.PathLike", *, le
     seed_everything(seed)
     meta = {"target": "script", "seed": seed, "workload": f"--script {script}", "script_args": args,
             "argv": list(sys.argv)}  # precisiondiff's own command line, before the script's replaces it
-    saved_argv = sys.argv[:]
-    sys.argv = [script, *args]
-    code = 0
-    try:
-        with replacing(out, overwrite) as target_dir, \
-                capture(target_dir, model=None, level=level, mode=mode, format=format, steps=steps,
-                        meta=meta, overwrite=overwrite, **filters) as cap:
-            try:
-                runpy.run_path(script, run_name="__main__")
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            except PrecisionDiffError:
-                raise
-            except Exception as err:
-                raise WorkloadError(f"{script} raised {type(err).__name__}: {err} "
-                                    f"(events recorded so far are kept in {out})") from err
-    finally:
-        sys.argv = saved_argv
+    with replacing(out, overwrite) as target_dir, \
+            capture(target_dir, model=None, level=level, mode=mode, format=format, steps=steps,
+                    meta=meta, overwrite=overwrite, **filters) as cap:
+        code = run_as_main(script, list(args), f"events recorded so far are kept in {out}")
     _check(cap, out)
     if code:
         raise WorkloadError(f"{script} exited with status {code}; the dump in {out} is kept")

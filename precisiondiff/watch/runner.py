@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import os
-import runpy
-import sys
 from typing import List, Optional
 
-from ..errors import PrecisionDiffError, WorkloadError
+from ..errors import WorkloadError
+from ..runtime.script import run_as_main
 from .monitor import Watch, losses_from_backward
 
 __all__ = ["watch_script"]
@@ -33,24 +32,10 @@ def watch_script(script: str, args: List[str], out: "str | os.PathLike", *, leve
     from ..runtime.workload import seed_everything
     seed_everything(seed)
     meta = {"workload": f"--script {script}", "script_args": list(args), "seed": seed}
-    saved_argv = sys.argv[:]
-    code = 0
     w = Watch(out, level=level, modules=modules, every=every, param_every=param_every, meta=meta,
               overwrite=overwrite, global_hooks=True, replay_steps=replay_steps)
-    try:
-        with w, losses_from_backward(w):
-            sys.argv = [script, *args]
-            try:
-                runpy.run_path(script, run_name="__main__")
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            except PrecisionDiffError:
-                raise
-            except Exception as err:
-                raise WorkloadError(f"{script} raised {type(err).__name__}: {err} "
-                                    f"(the steps watched so far are kept in {out})") from err
-    finally:
-        sys.argv = saved_argv
+    with w, losses_from_backward(w):
+        code = run_as_main(script, list(args), f"the steps watched so far are kept in {out}")
     if code:
         raise WorkloadError(f"{script} exited with status {code}; the watch log in {out} is kept")
     stopped = f"; watch stopped early: {w.errors[0]}" if w.errors else ""
