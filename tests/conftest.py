@@ -33,6 +33,7 @@ STOCK_KERNEL_TESTS = (
     "tests/bisect/test_live.py",
     "tests/bisect/test_noise.py",
     "tests/bisect/test_offline.py",
+    "tests/bisect/test_optimizer.py",
     "tests/capture/test_capture.py",
     "tests/compare/test_compare.py",
     "tests/compare/test_constants.py",
