@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..capture.closure import after_closure
 from ..capture.dispatch import in_backward
 from ..capture.filters import parse_selection
 from ..capture.distributed import rank_and_world
@@ -379,14 +380,17 @@ class Watch:
         for (name, _), norm in zip(with_grad, _norms([g for _, g in with_grad])):
             self._scalars.append((name, "grad", norm))
 
-    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         if not self._on:
-            return
-        try:
-            with self._quiet():
-                self._grad_norms_and_copies(optimizer)
-        except Exception as err:  # noqa: BLE001
-            self._fail(err)
+            return None
+
+        def before_update() -> None:
+            try:
+                with self._quiet():
+                    self._grad_norms_and_copies(optimizer)
+            except Exception as err:  # noqa: BLE001
+                self._fail(err)
+        return after_closure(args, kwargs, before_update)  # a closure's backward comes first
 
     def _grad_norms_and_copies(self, optimizer: Any) -> None:
         params = self._param_list(optimizer)
