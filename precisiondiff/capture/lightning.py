@@ -16,16 +16,12 @@ takes it).
 from __future__ import annotations
 
 import importlib
-import logging
-import os
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 from ..errors import PrecisionDiffError
-from .session import CaptureSession, capture
+from .callbacks import TrainingCapture
 
 __all__ = ["CaptureCallback", "lightning_callback_bases"]
-
-log = logging.getLogger(__name__)
 
 
 def lightning_callback_bases() -> Tuple[type, ...]:
@@ -46,7 +42,7 @@ def lightning_callback_bases() -> Tuple[type, ...]:
     return tuple(dict.fromkeys(bases))
 
 
-class CaptureCallback(*lightning_callback_bases()):  # type: ignore[misc]
+class CaptureCallback(TrainingCapture, *lightning_callback_bases()):  # type: ignore[misc]
     """A Lightning ``Callback`` that captures the trained LightningModule into a dump (module
     docstring).
 
@@ -64,42 +60,19 @@ class CaptureCallback(*lightning_callback_bases()):  # type: ignore[misc]
         >>> trainer.fit(module, loader)  # doctest: +SKIP
     """
 
-    def __init__(self, out: "str | os.PathLike", **options: Any) -> None:
-        if "model" in options:
-            raise PrecisionDiffError("CaptureCallback captures the Trainer's LightningModule: do not pass model=")
-        capture(out, model=None, **options)  # validates the options (opens nothing)
-        self.out, self.options = out, options
-        self.session: Optional[CaptureSession] = None
-        self.error: Optional[str] = None
-        self._global_step = 0
+    _global_step = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        options = dict(self.options)
-        meta = {"target": "script", "workload": f"lightning.Trainer ({type(pl_module).__name__})",
-                **(options.pop("meta", None) or {})}
-        try:
-            session = capture(self.out, model=pl_module, meta=meta, **options)
-            session.__enter__()
-        except PrecisionDiffError as err:  # capture never raises into the training
-            self.error = str(err)
-            log.error("precisiondiff: capture not started: %s", err)
-            return
-        self.session = session
+        self._open(pl_module, f"lightning.Trainer ({type(pl_module).__name__})")
         self._global_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.session is not None and trainer.global_step != self._global_step:  # an optimizer stepped
+        if trainer.global_step != self._global_step:  # an optimizer stepped in this batch
             self._global_step = trainer.global_step
-            self.session.step()
+            self._step()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._close(None)
+        self._close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._close(exception)
-
-    def _close(self, exception: Optional[BaseException]) -> None:
-        session, self.session = self.session, None
-        if session is not None:
-            session.__exit__(type(exception) if exception else None, exception,
-                             exception.__traceback__ if exception else None)
