@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .monitor import Watch, losses_from_backward
+from .callbacks import TrainingWatch
 
 __all__ = ["watch_callback"]
 
@@ -33,37 +33,24 @@ def watch_callback(out: "str | os.PathLike", **options: Any) -> Any:
     """
     from ..capture.lightning import lightning_callback_bases
 
-    class WatchCallback(*lightning_callback_bases()):  # type: ignore[misc]
+    class WatchCallback(TrainingWatch, *lightning_callback_bases()):  # type: ignore[misc]
         """Watches the LightningModule and the trainer's optimizers; one step per optimizer step."""
 
-        def __init__(self) -> None:
-            self.watch = None
-            self._losses = None
-            self._global_step = 0
+        _global_step = 0
 
         def on_train_start(self, trainer, pl_module):
-            self.watch = Watch(out, model=pl_module, optimizer=list(trainer.optimizers), **options).__enter__()
-            self._losses = losses_from_backward(self.watch)
-            self._losses.__enter__()
+            self._start(pl_module, list(trainer.optimizers))
             self._global_step = trainer.global_step
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.watch is not None and trainer.global_step != self._global_step:
+            if trainer.global_step != self._global_step:  # an optimizer stepped in this batch
                 self._global_step = trainer.global_step
-                self.watch.step()
+                self._step()
 
         def on_train_end(self, trainer, pl_module):
-            self._close(complete=True)
+            self._close()
 
         def on_exception(self, trainer, pl_module, exception):
             self._close(complete=False)
 
-        def _close(self, *, complete: bool) -> None:
-            if self._losses is not None:
-                self._losses.__exit__(None, None, None)
-                self._losses = None
-            if self.watch is not None:
-                self.watch.close(complete=complete)
-                self.watch = None
-
-    return WatchCallback()
+    return WatchCallback(out, options)
