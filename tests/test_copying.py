@@ -73,6 +73,9 @@ def test_the_attributes_a_framework_sets_on_parameters_are_kept(group):
     copied = moved[0].linear.weight
     assert (copied.tensor_model_parallel, copied.partition_dim, copied.groups[0]) == (True, 0, group)
     assert copied.groups is not weight.groups and copied is not weight
+    plain = torch.nn.Linear(2, 2)
+    plain.weight.lock = threading.Lock()  # an attribute deepcopy cannot copy: shared, not a refusal
+    assert copy_model(plain).weight.lock is plain.weight.lock
 
 
 class _Uncopyable(torch.Tensor):

@@ -63,11 +63,15 @@ def copy_model(model: torch.nn.Module) -> torch.nn.Module:
 def _with_parameter_attributes(model: torch.nn.Module, moved: torch.nn.Module, memo: Dict[int, Any]) -> torch.nn.Module:
     """``moved`` with the Python attributes of ``model``'s parameters (Megatron's
     ``tensor_model_parallel`` / ``partition_dim``, DeepSpeed's ``ds_*``): ``Parameter.__deepcopy__``
-    drops them."""
+    drops them; one that cannot be copied is shared, as the model's handles are."""
     pairs = zip(model.named_parameters(remove_duplicate=False), moved.named_parameters(remove_duplicate=False))
     for (_, original), (_, copied) in pairs:
         if original.__dict__ and not copied.__dict__:
-            copied.__dict__.update(copy.deepcopy(original.__dict__, memo))
+            for name, value in original.__dict__.items():
+                try:
+                    copied.__dict__[name] = copy.deepcopy(value, memo)
+                except Exception:  # noqa: BLE001 - a handle (a bound method of an engine...): shared
+                    copied.__dict__[name] = value
     return moved
 
 
