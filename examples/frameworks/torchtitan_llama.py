@@ -184,3 +184,32 @@ def optimizer(params, planted: bool = False) -> torch.optim.Optimizer:
     if planted:
         return RoughAdamW(params)
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+
+
+def build_flex(plant: bool = False):
+    """An inference step (forward only: FlexAttention has no CPU backward in torch 2.13) with
+    torchtitan's own FlexAttention and the block mask its model builds (causal)."""
+    import precisiondiff
+    model = tiny_llama(plant, attn="flex").requires_grad_(False)  # inference: no autograd graph
+    tokens, positions = batch()
+    return precisiondiff.Workload(model, {"tokens": tokens, "attention_masks": model.get_attention_masks(positions)})
+
+
+def build_flex_planted():
+    return build_flex(plant=True)
+
+
+def build_ac(plant: bool = False, mode: str = "full"):
+    """A training step's forward and backward with torchtitan's own activation checkpointing
+    (``FullAC`` or ``SelectiveAC`` applied by its ``apply``: each block wrapped, its forward
+    recomputed in the backward)."""
+    import precisiondiff
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    model = tiny_llama(plant)
+    policy = FullAC(FullAC.Config()) if mode == "full" else SelectiveAC(SelectiveAC.Config())
+    policy.apply(model)
+    return precisiondiff.Workload(model, batch()[0], loss=loss_of)
+
+
+def build_ac_planted():
+    return build_ac(plant=True)
