@@ -14,6 +14,8 @@ pytest.importorskip("torchtitan")
 import precisiondiff  # noqa: E402
 from precisiondiff.capture.runner import capture_workload  # noqa: E402
 
+# eager FlexAttention on the CPU (torchtitan compiles it on GPUs) warns that it is unfused
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 SPEC = str(Path(__file__).resolve().parents[2] / "examples" / "frameworks" / "torchtitan_llama.py")
 PLANT = "pdframeworks.rough_rms_norm.default"
 
