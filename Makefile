@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PD := $(VENV)/bin/precisiondiff
 RUNS ?= runs
 
-.PHONY: venv demo test test-portability test-frameworks bench clean
+.PHONY: venv frameworks demo test test-portability test-frameworks bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+# The framework jobs' packages (setup.cfg's `frameworks` extra), beside the pinned torch: a constraints
+# file holds torch at the version installed, so DeepSpeed's or torchtitan's own pins cannot replace it.
+$(VENV)/.frameworks: $(VENV)/.installed setup.cfg
+	$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test,report,frameworks]"
+	touch $@
+
+frameworks: $(VENV)/.frameworks
 
 EXAMPLE := examples/tiny_transformer.py:build
 
@@ -36,16 +45,19 @@ demo: venv
 	@echo "HTML report: $(RUNS)/report.html"
 	$(PD) bisect $(BUGGY) --format table || test $$? -eq 1
 
-# The main pass runs on two pytest-xdist workers (PYTEST_WORKERS=0 runs it in one process). Then the
-# tests that exercise stock CPU kernels run again on every narrower vector path this CPU can take
+# The main pass runs on two pytest-xdist workers (PYTEST_WORKERS=0 runs it in one process), the framework
+# jobs of tests/frameworks included (DS_ACCELERATOR=cpu: DeepSpeed on the CPU, gloo; its first start
+# builds a C++ comm op into ~/.cache/torch_extensions, about 1.5 min of CPU). Then the tests that
+# exercise stock CPU kernels run again on every narrower vector path this CPU can take
 # (tools/cpu_capabilities.py: default and avx2 on an AVX-512 machine, default on an AVX2 one; PyTorch
 # reads ATEN_CPU_CAPABILITY at start-up): the verdicts must be the same on every CPU. Each pass has
 # its own inductor cache: a shared one would hand kernels built for another instruction set.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
+DS_ENV := $(if $(DS_ACCELERATOR),,DS_ACCELERATOR=cpu)
 
-test: venv
-	$(PY) -m pytest -q $(XDIST)
+test: venv frameworks
+	$(DS_ENV) $(PY) -m pytest -q $(XDIST)
 	$(MAKE) --no-print-directory test-portability
 
 test-portability: venv
@@ -55,14 +67,9 @@ test-portability: venv
 	    $(PY) -m pytest -q -m stock_kernels $(XDIST); \
 	done
 
-# The framework jobs (tests/frameworks, docs/frameworks.md): DeepSpeed, torchtitan (with triton)
-# installed beside the pinned torch, then their tests. Not part of `make test` (the install is
-# ~5 minutes and 1.3 GB; DeepSpeed builds a C++ op on its first start); the tests skip without them.
-test-frameworks: venv
-	mkdir -p build
-	$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > build/constraints.txt
-	$(PY) -m pip install -q -c build/constraints.txt deepspeed triton torchtitan
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests/frameworks
+# The framework jobs alone (docs/frameworks.md).
+test-frameworks: venv frameworks
+	$(DS_ENV) $(PY) -m pytest -q $(XDIST) tests/frameworks
 
 bench: venv
 	$(PY) benchmarks/bench_capture.py
