@@ -19,9 +19,12 @@ venv: $(VENV)/.installed
 
 # The framework jobs' packages (setup.cfg's `frameworks` extra), beside the pinned torch: a constraints
 # file holds torch at the version installed, so DeepSpeed's or torchtitan's own pins cannot replace it.
+# DeepSpeed's CPU comm op is built here, once (about 1.5 min of CPU, into ~/.cache/torch_extensions),
+# not by the first test that starts DeepSpeed, where concurrent starts would wait on its lock.
 $(VENV)/.frameworks: $(VENV)/.installed setup.cfg
 	$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test,report,frameworks]"
+	DS_ACCELERATOR=cpu $(PY) -c 'from deepspeed.accelerator import get_accelerator as a; a().create_op_builder("ShareMemCommBuilder").load()'
 	touch $@
 
 frameworks: $(VENV)/.frameworks
@@ -46,8 +49,7 @@ demo: venv
 	$(PD) bisect $(BUGGY) --format table || test $$? -eq 1
 
 # The main pass runs on two pytest-xdist workers (PYTEST_WORKERS=0 runs it in one process), the framework
-# jobs of tests/frameworks included (DS_ACCELERATOR=cpu: DeepSpeed on the CPU, gloo; its first start
-# builds a C++ comm op into ~/.cache/torch_extensions, about 1.5 min of CPU). Then the tests that
+# jobs of tests/frameworks included (DS_ACCELERATOR=cpu: DeepSpeed on the CPU, gloo). Then the tests that
 # exercise stock CPU kernels run again on every narrower vector path this CPU can take
 # (tools/cpu_capabilities.py: default and avx2 on an AVX-512 machine, default on an AVX2 one; PyTorch
 # reads ATEN_CPU_CAPABILITY at start-up): the verdicts must be the same on every CPU. Each pass has
