@@ -152,6 +152,25 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def replay_memory(size: str, dump: str, scope: str) -> dict:
+    """Peak RSS of one float64 forward+backward golden replay of module ``scope`` ("" the root: what
+    replaying the model whole costs; a block: what block-wise replay costs), in this process."""
+    import resource
+    from precisiondiff.bisect.isolate import GoldenMode, replay_module_step
+    from precisiondiff.bisect.offline import events_from_dump
+    from precisiondiff.store import load
+    wl = build(size)
+    events = events_from_dump(load(dump))
+    fwd = next(e for e in events if e.kind == "module" and e.scope == scope and e.direction == "forward")
+    bwd = next(e for e in events if e.kind == "module" and e.scope == scope and e.direction == "backward")
+    template = wl.model.get_submodule(scope) if scope else wl.model
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    replay_module_step(template, fwd, bwd, device="cpu", dtype=torch.float64, mode=GoldenMode())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"scope": scope or "<root>", "rss_before": before, "peak_rss": peak, "s": round(time.perf_counter() - start, 1)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="10m")
@@ -159,7 +178,14 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", default=None, help="keep the dump and the results in this directory")
     ap.add_argument("--max-replay-bytes", default=None,
                     help="bisect --max-replay-bytes (default: bisect's own)")
+    ap.add_argument("--replay-memory", nargs=2, metavar=("DUMP", "SCOPE"), default=None,
+                    help="only measure one float64 golden replay of module SCOPE ('' the root) from DUMP")
     args = ap.parse_args(argv)
+    if args.replay_memory:
+        got = replay_memory(args.size, *args.replay_memory)
+        print(f"{args.size}: float64 replay of {got['scope']}: RSS {_gib(got['rss_before'])} before, peak "
+              f"{_gib(got['peak_rss'])} ({_gib(got['peak_rss'] - got['rss_before'])} more), {got['s']} s")
+        return 0
     here = os.path.dirname(os.path.abspath(__file__))
     spec = f"{os.path.join(here, 'bench_scale.py')}:{BUILDERS[args.size]}"
     root = args.keep or tempfile.mkdtemp(prefix="pd-scale-")

@@ -29,7 +29,7 @@ from ..store.schema import tensor_key
 from .substitute import final_errors
 from .training import mark_steps, search_steps
 
-__all__ = ["bisect_dump", "events_from_dump"]
+__all__ = ["bisect_dump", "bisect_dump_distributed", "events_from_dump"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def _op_pool(inp: EngineInput, dump_path: Any, workers: int, distributed: bool, 
         raise BisectError("--workers: the dump's ops are judged in worker processes, which need a workload "
                           "given as path/file.py:fn or package.module:fn (a multi-rank dump is shared out by rank)")
     classes = {sc: type(m).__name__ for sc, m in modules.items()}
-    return LocalPool(workers, os.fspath(dump_path), inp, classes, workload=workload, rounding=bool(modules))
+    return LocalPool(workers, os.fspath(dump_path), inp, classes, events_of=events_from_dump, workload=workload,
+                     rounding=bool(modules))
 
 
 def _open(path: Any, what: str) -> Any:
@@ -286,3 +287,23 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         if repro is not None:
             write_culprit_repro(result, ev, repro, ref_t, max_elements)
     return result
+
+
+def bisect_dump_distributed(dut_dump: Any, ref_dump: Any = None, **options: Any) -> Any:
+    """:func:`~precisiondiff.bisect.offline.bisect_dump` in every process of a torchrun job, the
+    op replays shared out (:class:`DistPool`; gloo, created from torchrun's environment when
+    there is no default group). Returns the result on process 0 and None on the others (every
+    process computed the same one)."""
+    import torch.distributed as dist
+    from .workers import threads_per_worker
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo")
+    try:
+        torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
+        result = bisect_dump(dut_dump, ref_dump, distributed=True, **options)
+        me = dist.get_rank()
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    return result if me == 0 else None

@@ -68,15 +68,9 @@ def is_multi_rank(path: "str | Path") -> bool:
 
 
 def _import_workload_module(workload: Any) -> None:
-    """Import the module of a ``path.py:fn`` / ``package.module:fn`` spec (its custom ops)."""
-    if workload is None or callable(workload):
-        return
-    from ..runtime.workload import _load_module
-    module_part = str(workload).rsplit(":", 1)[0] if ":" in str(workload) else str(workload)
-    try:
-        _load_module(module_part)
-    except PrecisionDiffError as err:
-        raise BisectError(str(err)) from err
+    """Import the module of a workload spec (its custom ops): :func:`.workers.import_workload_module`."""
+    from .workers import import_workload_module
+    import_workload_module(workload)
 
 
 def _seqs(path: Path) -> Dict[Tuple[str, str, str, str, int], int]:

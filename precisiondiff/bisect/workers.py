@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .engine import EngineInput, OpResult, judge_op_unit
 from .isolate import UnitEvent
 
-__all__ = ["LocalPool", "DistPool", "WINDOW_PER_WORKER", "threads_per_worker", "bisect_dump_distributed"]
+__all__ = ["LocalPool", "DistPool", "WINDOW_PER_WORKER", "threads_per_worker", "import_workload_module"]
 
 WINDOW_PER_WORKER = 32  # ops judged ahead per worker: enough to balance large and small ops
 CHUNK = 4  # ops per task sent to a local worker
@@ -45,15 +45,32 @@ def _options(inp: EngineInput, module_classes: Dict[str, str]) -> Dict[str, Any]
             "module_classes": module_classes}
 
 
-def _init(dump_path: str, workload_module: Optional[str], options: Dict[str, Any], threads: int) -> None:
-    """A local worker's start: threads, the workload's custom ops, the dump's events."""
+def import_workload_module(workload: Any) -> None:
+    """Import the module of a ``path.py:fn`` / ``package.module:fn`` spec (its custom ops), without
+    building the workload.
+
+    Raises:
+        BisectError: the module cannot be imported.
+    """
+    from ..errors import BisectError, PrecisionDiffError
+    if workload is None or callable(workload):
+        return
+    from ..runtime.workload import _load_module
+    module_part = str(workload).rsplit(":", 1)[0] if ":" in str(workload) else str(workload)
+    try:
+        _load_module(module_part)
+    except PrecisionDiffError as err:
+        raise BisectError(str(err)) from err
+
+
+def _init(events_of: Callable[..., List[UnitEvent]], dump_path: str, workload_module: Optional[str],
+          options: Dict[str, Any], threads: int) -> None:
+    """A local worker's start: threads, the workload's custom ops, the dump's events
+    (``events_of(dump, all_steps=True)``: offline.events_from_dump)."""
     torch.set_num_threads(threads)
-    if workload_module is not None:
-        from .ranks import _import_workload_module
-        _import_workload_module(workload_module)
+    import_workload_module(workload_module)
     from ..store import load
-    from .offline import events_from_dump
-    events = events_from_dump(load(dump_path), all_steps=True)
+    events = events_of(load(dump_path), all_steps=True)
     classes = options.pop("module_classes")
     _STATE["events"] = {(e.step, e.seq): e for e in events}
     _STATE["input"] = EngineInput(events=[], module_class_of=classes.get, **options)
@@ -76,10 +93,13 @@ class LocalPool:
         workload: the workload spec whose module is imported in each worker (custom ops).
         rounding: whether module replays will reuse the op replays (then each result says how
             many outputs round correctly).
+        events_of: ``events_of(dump, all_steps=True)``, the dump's events (a module-level function:
+            it is sent to the workers by name).
     """
 
     def __init__(self, workers: int, dump_path: str, inp: EngineInput, module_classes: Dict[str, str], *,
-                 workload: Optional[str] = None, rounding: bool = True) -> None:
+                 events_of: Callable[..., List[UnitEvent]], workload: Optional[str] = None,
+                 rounding: bool = True) -> None:
         import multiprocessing
         self.workers = workers
         self.window = WINDOW_PER_WORKER * workers
@@ -87,7 +107,8 @@ class LocalPool:
         # spawn, not fork: the parent may hold OpenMP threads and a large model
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_init,
-                                         initargs=(os.fspath(dump_path), workload, _options(inp, module_classes),
+                                         initargs=(events_of, os.fspath(dump_path), workload,
+                                                   _options(inp, module_classes),
                                                    threads_per_worker(workers)))
 
     def judge(self, events: List[UnitEvent]) -> Dict[int, OpResult]:
@@ -139,22 +160,3 @@ class DistPool:
     def close(self) -> None:
         """Nothing to stop: the job's processes are torchrun's."""
 
-
-def bisect_dump_distributed(dut_dump: Any, ref_dump: Any = None, **options: Any) -> Any:
-    """:func:`~precisiondiff.bisect.offline.bisect_dump` in every process of a torchrun job, the
-    op replays shared out (:class:`DistPool`; gloo, created from torchrun's environment when
-    there is no default group). Returns the result on process 0 and None on the others (every
-    process computed the same one)."""
-    import torch.distributed as dist
-    from .offline import bisect_dump
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo")
-    try:
-        torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
-        result = bisect_dump(dut_dump, ref_dump, distributed=True, **options)
-        me = dist.get_rank()
-    finally:
-        if owned:
-            dist.destroy_process_group()
-    return result if me == 0 else None

@@ -145,7 +145,7 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
             if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
                 _tell_torchrun(result)
         elif distributed:  # torchrun: the job's processes share the replays; process 0 reports
-            from ..bisect.workers import bisect_dump_distributed
+            from ..bisect.offline import bisect_dump_distributed
             result = bisect_dump_distributed(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                              budgets=list(budgets), progress=progress, accept=list(accept),
                                              allow_narrowed=allow_narrowed, peer=peer,
