@@ -178,6 +178,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", default=None, help="keep the dump and the results in this directory")
     ap.add_argument("--max-replay-bytes", default=None,
                     help="bisect --max-replay-bytes (default: bisect's own)")
+    ap.add_argument("--seq", type=int, default=256, help="sequence length (the issue's case: 256)")
+    ap.add_argument("--direction", choices=["forward", "backward"], default=None,
+                    help="bisect --direction (default: both, the issue's case)")
     ap.add_argument("--replay-memory", nargs=2, metavar=("DUMP", "SCOPE"), default=None,
                     help="only measure one float64 golden replay of module SCOPE ('' the root) from DUMP")
     args = ap.parse_args(argv)
@@ -192,10 +195,11 @@ def main(argv=None) -> int:
     os.makedirs(root, exist_ok=True)
     dump = os.path.join(root, "dump")
     shutil.rmtree(dump, ignore_errors=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PD_SCALE_SEQ=str(args.seq),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     cli = [sys.executable, "-m", "precisiondiff.cli"]
     n_params = params_of(args.size)
-    print(f"model {args.size}: {n_params / 1e6:.1f} M parameters, {SIZES[args.size]}; bf16 "
+    print(f"model {args.size}: {n_params / 1e6:.1f} M parameters, {SIZES[args.size]}, sequence {args.seq}; bf16 "
           f"{_gib(2 * n_params)}, float64 {_gib(8 * n_params)}; torch threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} CPUs")
     cap = _timed(cli + ["capture", spec, "--target", "cpu/bf16", "--mode", "replay", "-o", dump], env)
@@ -205,7 +209,8 @@ def main(argv=None) -> int:
     print(f"capture: {cap['wall_s']} s, peak RSS {_gib(cap['peak_rss'])}, dump {_gib(_dir_bytes(dump))}")
     rows = []
     counts = [1] + [int(w) for w in args.workers.split(",") if w.strip() and int(w) > 1]
-    extra = ["--max-replay-bytes", args.max_replay_bytes] if args.max_replay_bytes else []
+    extra = (["--max-replay-bytes", args.max_replay_bytes] if args.max_replay_bytes else []) + \
+        (["--direction", args.direction] if args.direction else [])
     for n in counts:
         out = os.path.join(root, f"bisect-w{n}.json")
         run = _timed(cli + ["bisect", dump, "--workload", spec, "--format", "json", "-o", out, *extra]
