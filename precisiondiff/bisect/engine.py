@@ -22,7 +22,8 @@ from .references import reference_for
 from .reuse import ReplayedOps, RoundedOps
 from .search import Finding, Judgement, Search, Unit
 
-__all__ = ["EngineInput", "EngineOutput", "run_search", "random_outputs_of", "random_outputs_in_order", "DATA_MOVEMENT_OPS"]
+__all__ = ["EngineInput", "EngineOutput", "OpResult", "run_search", "judge_op_unit", "replay_bytes",
+           "DEFAULT_MAX_REPLAY_BYTES", "random_outputs_of", "random_outputs_in_order", "DATA_MOVEMENT_OPS"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,13 @@ class EngineInput:
         peer_device, peer_name: a real second implementation (``bisect --peer cpu/bf16``): where
             the emulated peers are computed for an op, it is replayed there too on the DUT's own
             inputs, and its error joins theirs (``peer.peers[peer_name]``, ``peer.real_peer``).
+        max_replay_bytes: block-wise replay: a module whose parameters and buffers take more
+            than this many bytes in the reference dtype is not replayed whole; the search
+            descends into it as into a module over budget, so the replays go block by block
+            (docs/bisect.md, "Host memory"). None: every module is replayed whole.
+        op_pool: judges op units elsewhere (:mod:`precisiondiff.bisect.workers`): ``judge(events)``
+            returns ``{seq: OpResult}`` for a window of ``window`` upcoming ops; the search
+            consumes them in order, exactly as if judged here.
     """
 
     events: List[UnitEvent]
@@ -83,6 +91,16 @@ class EngineInput:
     accept: Sequence[Any] = ()
     peer_device: Optional[str] = None
     peer_name: str = ""
+    max_replay_bytes: Optional[int] = None
+    op_pool: Optional[Any] = None
+
+
+DEFAULT_MAX_REPLAY_BYTES = 1 << 30  # a module larger than this in the reference dtype is replayed block-wise
+
+
+OpResult = Tuple[Judgement, dict, Dict[str, int], Optional[int]]
+"""An op's judgement, its detail, the replays it cost (counter keys) and, when its outputs are
+its goldens correctly rounded, their number (for the emulation's reuse), else None."""
 
 
 @dataclass
@@ -98,6 +116,7 @@ class EngineOutput:
     breakdown: Dict[str, int] = field(default_factory=dict)
     skipped: List[int] = field(default_factory=list)
     reused_ops: int = 0  # emulated ops taken from the op replays (reuse.py), not run
+    block_wise: List[str] = field(default_factory=list)  # modules not replayed whole (max_replay_bytes)
 
 
 def _is_candidate_op(ev: UnitEvent) -> bool:
@@ -199,12 +218,23 @@ def run_search(inp: EngineInput) -> EngineOutput:
     total = len(units)
     done = 0
     explained: set = set()  # modules around an accepted op
+    ahead: Dict[int, OpResult] = {}  # ops judged ahead by the op pool, not yet consumed
+    block_wise: List[str] = []
     while (uid := search.next_query()) is not None:
         ev = by_seq[uid]
         if inp.progress is not None:
             inp.progress(done, total, f"{ev.direction} {ev.scope or '<root>'} {ev.name}")
         if ev.kind == "op":
-            judgement, detail = _judge_op(ev, inp, counter, rounded)
+            if inp.op_pool is not None:
+                if uid not in ahead:
+                    ahead.update(inp.op_pool.judge([by_seq[u] for u in search.upcoming_ops(inp.op_pool.window)]))
+                judgement, detail, spent, n_rounded = ahead.pop(uid)
+                for key, n in spent.items():
+                    counter[key] = counter.get(key, 0) + n
+                if rounded is not None and n_rounded is not None:
+                    rounded.register(ev, n_rounded)
+            else:
+                judgement, detail = _judge_op(ev, inp, counter, rounded)
             if judgement.over and any(a.matches(ev.name, ev.scope) for a in inp.accept):
                 judgement, detail = Judgement(replayable=True, over=False), dict(detail, accepted=True)
                 up = parents[uid]
@@ -229,6 +259,11 @@ def run_search(inp: EngineInput) -> EngineOutput:
                 detail["holds_unreplayable"] = [{"scope": h.scope, "name": h.name, "call": h.call,
                                                  "reason": details.get(h.seq, {}).get("reason", "")}
                                                 for h in held]
+            if detail.get("block_wise"):  # not replayed: judged through its children, no detail of its own
+                block_wise.append(f"{ev.scope or '<root>'} ({ev.direction})")
+                search.record(uid, judgement)
+                done += 1
+                continue
         details[uid] = detail
         search.record(uid, judgement)
         done += 1
@@ -237,7 +272,38 @@ def run_search(inp: EngineInput) -> EngineOutput:
     forward_ops = sum(1 for e in inp.events if e.kind == "op" and e.direction == "forward") or 1
     breakdown = {k: v for k, v in counter.items() if k not in ("ops", "reused")}
     return EngineOutput(search.result(), by_seq, details, counter["ops"], forward_ops, unreplayable,
-                        breakdown=breakdown, skipped=list(search.skipped), reused_ops=counter.get("reused", 0))
+                        breakdown=breakdown, skipped=list(search.skipped), reused_ops=counter.get("reused", 0),
+                        block_wise=block_wise)
+
+
+class _RoundingProbe:
+    """Stands in for :class:`RoundedOps` where an op is judged away from the search: notes how
+    many outputs round correctly, for the search's process to register (``OpResult``)."""
+
+    def __init__(self, inp: EngineInput) -> None:
+        self._rounded = RoundedOps(inp.ref_device, inp.ref_dtype, inp.dut_dtype)
+        self.n_out: Optional[int] = None
+
+    def add(self, ev: UnitEvent, golden: List[torch.Tensor], func: Callable) -> None:
+        self.n_out = self._rounded.correctly_rounded(ev, golden, func)
+
+
+def judge_op_unit(ev: UnitEvent, inp: EngineInput, rounding: bool = True) -> OpResult:
+    """Judge one op call as the search does (a replay worker's unit of work): the judgement,
+    its detail, the replays it cost and, with ``rounding`` (module replays will reuse op
+    replays), how many of its outputs are their goldens correctly rounded."""
+    counter: Dict[str, int] = {"ops": 0}
+    probe = _RoundingProbe(inp) if rounding else None
+    judgement, detail = _judge_op(ev, inp, counter, probe)
+    return judgement, detail, counter, probe.n_out if probe is not None else None
+
+
+def replay_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of a module's parameters and buffers in ``dtype`` (floating ones; others as they are):
+    what a float64 replay of it copies before any activation."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() * (size if t.is_floating_point() else t.element_size())
+               for t in (*module.parameters(), *module.buffers()))
 
 
 def _top_level_pairs(events: List[UnitEvent], parents: Dict[int, Optional[int]],
@@ -419,6 +485,11 @@ def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fall
     if template is None:
         return Judgement(replayable=False), {"replayable": False,
                                             "reason": "module objects not available (pass --workload)"}
+    if inp.max_replay_bytes is not None and replay_bytes(template, inp.ref_dtype) > inp.max_replay_bytes:
+        # block-wise: not replayed whole; as a module that cannot be replayed, it hands what it
+        # stands in for to its parent and the search descends into its children
+        return Judgement(replayable=False), {"replayable": False, "block_wise": True,
+                                            "reason": f"larger than max_replay_bytes ({inp.max_replay_bytes})"}
     fwd = ev
     calls = forward_calls.get((ev.scope, ev.name), [])
     if ev.direction == "backward":

@@ -17,7 +17,7 @@ from ..runtime.workload import RunResult, Workload, call_model, load_workload, r
 from . import compiled
 from .assemble import assemble
 from ..store.schema import tensor_key
-from .engine import EngineInput, EngineOutput, random_outputs_in_order, run_search
+from .engine import DEFAULT_MAX_REPLAY_BYTES, EngineInput, EngineOutput, random_outputs_in_order, run_search
 from .evidence import input_evidence, param_grads_of
 from .findings import resolve_accepts
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
@@ -316,7 +316,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            time_step: bool = False, max_host_memory: Optional[int] = None,
            accept: Optional[Sequence[str]] = None,
            allow_narrowed: bool = False, repro: "str | os.PathLike | None" = None,
-           max_elements: Optional[int] = None, peer: "str | Target | None" = None) -> BisectResult:
+           max_elements: Optional[int] = None, peer: "str | Target | None" = None,
+           max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -359,6 +360,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
             (docs/bisect.md, "Repro"), slicing tensors beyond ``max_elements``.
         peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT's dtype (docs/bisect.md,
             "A real peer").
+        max_replay_bytes: block-wise replay: a module larger than this in the reference dtype is
+            not replayed whole; its blocks are (docs/bisect.md, "Host memory"). None: every
+            module whole.
 
     Returns:
         A :class:`BisectResult`.
@@ -432,7 +436,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction,
         max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor,
-        accept=accepts, peer_device=peer_device, peer_name=peer_name))
+        accept=accepts, peer_device=peer_device, peer_name=peer_name, max_replay_bytes=max_replay_bytes))
     search_s = time.perf_counter() - t1
 
     # The reference run only when something needs it: the verdict (parity or accumulated: no
@@ -516,7 +520,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
                 "wall_over_forward": round(wall_s / plain_forward_s, 1) if plain_forward_s > 0 else None}
                if plain_forward_s is not None else {}),
             "host_memory": {"budget": sink.budget, "held_bytes": sink.held_bytes,
-                            "spilled_bytes": sink.spilled_bytes}}
+                            "spilled_bytes": sink.spilled_bytes},
+            **({"block_wise": {"max_replay_bytes": max_replay_bytes, "not_replayed_whole": out.block_wise}}
+               if out.block_wise else {})}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
                       input_check=input_check)
     result.noise = noise_json

@@ -19,7 +19,7 @@ import torch
 from ..errors import BisectError, PrecisionDiffError
 from ..runtime.targets import Target, checked_held
 from .assemble import assemble
-from .engine import EngineInput
+from .engine import DEFAULT_MAX_REPLAY_BYTES, EngineInput, replay_bytes
 from .evidence import finals_of, input_evidence, param_grads_of
 from .findings import resolve_accepts
 from .isolate import UnitEvent
@@ -29,7 +29,7 @@ from ..store.schema import tensor_key
 from .substitute import final_errors
 from .training import mark_steps, search_steps
 
-__all__ = ["bisect_dump", "events_from_dump"]
+__all__ = ["bisect_dump", "bisect_dump_distributed", "events_from_dump"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,22 @@ def events_from_dump(dump: Any, *, step: Optional[int] = None, all_steps: bool =
         out.append(UnitEvent(ev.seq, ev.kind, ev.scope, ev.name, ev.direction, ev.call, slots, ev.args, load,
                              step=ev.step))
     return out
+
+
+def _op_pool(inp: EngineInput, dump_path: Any, workers: int, distributed: bool, modules: Dict[str, Any],
+             workload: Any, prepare: Any) -> Any:
+    """The op pool of ``workers`` local processes or of the torch.distributed job, or None."""
+    from .workers import DistPool, LocalPool
+    if distributed:
+        return DistPool(inp, rounding=bool(modules))
+    if workers is None or workers <= 1:
+        return None
+    if prepare is not None or (workload is not None and not isinstance(workload, str)):
+        raise BisectError("--workers: the dump's ops are judged in worker processes, which need a workload "
+                          "given as path/file.py:fn or package.module:fn (a multi-rank dump is shared out by rank)")
+    classes = {sc: type(m).__name__ for sc, m in modules.items()}
+    return LocalPool(workers, os.fspath(dump_path), inp, classes, events_of=events_from_dump, workload=workload,
+                     rounding=bool(modules))
 
 
 def _open(path: Any, what: str) -> Any:
@@ -108,7 +124,9 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None,
                 accept: Optional[Sequence[str]] = None,
                 allow_narrowed: bool = False, repro: "str | Path | None" = None,
-                max_elements: Optional[int] = None, peer: "str | Target | None" = None) -> BisectResult:
+                max_elements: Optional[int] = None, peer: "str | Target | None" = None,
+                workers: int = 1, distributed: bool = False,
+                max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -132,6 +150,15 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT's dtype: ops whose
             peers are needed are also replayed there from the dump's inputs (docs/bisect.md,
             "A real peer").
+        workers: judge the op replays on this many processes of this host (bisect/workers.py);
+            the result is the same as with one.
+        distributed: this process is one of a torch.distributed job (``torchrun ... bisect DUMP``,
+            the default group initialised): the job's processes share the op replays; every one
+            returns the same result.
+        max_replay_bytes: block-wise replay: modules larger than this in the reference dtype are
+            not replayed whole (their blocks are), and when a culprit is found in a model larger
+            than this the reference run of the whole model is left out (a note; docs/bisect.md,
+            "Host memory"). None: the whole model is replayed as before.
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -192,13 +219,32 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     else:
         ref_runs = 0
 
-    out, steps = search_steps(every, lambda step_events: EngineInput(
-        events=step_events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
-        module_of=modules.get if modules else None,
-        module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
-        param_grad=param_grads_of(step_events), direction=direction, max_candidates=max_candidates,
-        progress=progress, overrides=overrides, accept=accepts, peer_device=peer_device, peer_name=peer_name))
-    if ref_dump is None and wl is not None:  # after the search: only the culprit's scope is kept
+    pool = None
+
+    def make_input(step_events: List[UnitEvent]) -> EngineInput:
+        return EngineInput(
+            events=step_events, dut_dtype=dut.dtype, ref_device=ref_t.device, ref_dtype=ref_t.dtype,
+            module_of=modules.get if modules else None,
+            module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
+            param_grad=param_grads_of(step_events), direction=direction, max_candidates=max_candidates,
+            progress=progress, overrides=overrides, accept=accepts, peer_device=peer_device, peer_name=peer_name,
+            max_replay_bytes=max_replay_bytes, op_pool=pool)
+    pool = _op_pool(make_input([]), dut_dump, workers, distributed, modules, workload, prepare)
+    t1 = time.perf_counter()
+    try:
+        out, steps = search_steps(every, make_input)
+    finally:
+        if pool is not None:
+            pool.close()
+    search_s = time.perf_counter() - t1
+    too_large = (wl is not None and max_replay_bytes is not None and out.finding.culprit is not None
+                 and replay_bytes(wl.model, ref_t.dtype) > max_replay_bytes)
+    if too_large:
+        notes.append(f"the reference run of the whole model was left out (block-wise: the model takes "
+                     f"{replay_bytes(wl.model, ref_t.dtype) / 2**30:.1f} GiB in {ref_t}, over max_replay_bytes "
+                     f"{max_replay_bytes / 2**30:.1f} GiB): no final error; the verdict needs only the replays "
+                     "(give a REF_DUMP, or a larger --max-replay-bytes, for the final error)")
+    if ref_dump is None and wl is not None and not too_large:  # after the search: only the culprit's scope is kept
         culprit_ev = out.units[out.finding.culprit] if out.finding.culprit is not None else None
         ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events, evidence_for=culprit_ev)
         ref_output, ref_grads = ref_result.output, {n: p.grad for n, p in ref_result.model.named_parameters()
@@ -221,7 +267,12 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
             **cost_figures({"reference": step * ref_runs}, out, step),
             "units_isolated": out.finding.queries, "units_not_isolated": len(out.skipped),
             "ops_replayed": out.replayed_ops, "ops_reused": out.reused_ops,
-            "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3)}
+            "ops_per_forward": out.forward_ops, "wall_s": round(wall_s, 3), "search_s": round(search_s, 3)}
+    if out.block_wise:
+        cost["block_wise"] = {"max_replay_bytes": max_replay_bytes, "not_replayed_whole": out.block_wise}
+    if pool is not None:
+        cost["workers"] = {"n": pool.workers, "kind": type(pool).__name__,
+                           **({"peak_rss": pool.peak_rss()} if hasattr(pool, "peak_rss") else {})}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
                       notes=notes, input_check=evidence)
     if len({e.step for e in every}) > 1:
@@ -236,3 +287,23 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         if repro is not None:
             write_culprit_repro(result, ev, repro, ref_t, max_elements)
     return result
+
+
+def bisect_dump_distributed(dut_dump: Any, ref_dump: Any = None, **options: Any) -> Any:
+    """:func:`~precisiondiff.bisect.offline.bisect_dump` in every process of a torchrun job, the
+    op replays shared out (:class:`DistPool`; gloo, created from torchrun's environment when
+    there is no default group). Returns the result on process 0 and None on the others (every
+    process computed the same one)."""
+    import torch.distributed as dist
+    from .workers import threads_per_worker
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo")
+    try:
+        torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
+        result = bisect_dump(dut_dump, ref_dump, distributed=True, **options)
+        me = dist.get_rank()
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    return result if me == 0 else None

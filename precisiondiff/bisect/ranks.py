@@ -68,15 +68,9 @@ def is_multi_rank(path: "str | Path") -> bool:
 
 
 def _import_workload_module(workload: Any) -> None:
-    """Import the module of a ``path.py:fn`` / ``package.module:fn`` spec (its custom ops)."""
-    if workload is None or callable(workload):
-        return
-    from ..runtime.workload import _load_module
-    module_part = str(workload).rsplit(":", 1)[0] if ":" in str(workload) else str(workload)
-    try:
-        _load_module(module_part)
-    except PrecisionDiffError as err:
-        raise BisectError(str(err)) from err
+    """Import the module of a workload spec (its custom ops): :func:`.workers.import_workload_module`."""
+    from .workers import import_workload_module
+    import_workload_module(workload)
 
 
 def _seqs(path: Path) -> Dict[Tuple[str, str, str, str, int], int]:
@@ -108,7 +102,7 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
                  direction: Optional[str] = None, budgets: Any = None,
                  progress: Optional[Callable[[int, int, str], None]] = None,
                  max_candidates: int = 3, across_processes: bool = False,
-                 group: Any = None) -> Optional[RanksBisectResult]:
+                 group: Any = None, workers: int = 1) -> Optional[RanksBisectResult]:
     """Bisect a multi-rank job from its per-rank ``--mode replay`` dumps (module docstring).
 
     Args:
@@ -124,6 +118,8 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
             judges the collectives from the dumps it can read and returns the result.
         group: with ``across_processes``, the process group to share the ranks over (default:
             the default group, created from torchrun's environment when there is none).
+        workers: without ``across_processes``, bisect this many ranks at a time, each in a
+            process of its own on this host (``bisect RUN_DIR --workers N``).
 
     Returns:
         A :class:`RanksBisectResult`: ``culprit["rank"]`` names the rank; a wrong collective is
@@ -148,19 +144,20 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
         raise BisectError(f"{run_dir}: {err}") from err
     paths = {r: d.path for r, d in sorted(dump.ranks.items())}
 
+    options = {"ref": ref, "direction": direction, "budgets": budgets, "max_candidates": max_candidates}
+
     def one(rank: int) -> Tuple[BisectResult, List[Dict[str, Any]]]:
         def prog(done: int, total: int, label: str) -> None:
             if progress is not None:
                 progress(done, total, f"rank {rank}: {label}")
-        left: List[Dict[str, Any]] = []
-        try:
-            res = bisect_dump(paths[rank], ref=ref, direction=direction, budgets=budgets, progress=prog,
-                              max_candidates=max_candidates, prepare=prepare_events(placements_of(paths[rank]), left))
-        except BisectError as err:
-            raise BisectError(f"rank {rank}: {err}") from err
-        return res, left
+        return _bisect_rank(rank, paths[rank], options, prog)
 
-    done = _across_processes(one, list(paths), group) if across_processes else {r: one(r) for r in paths}
+    if across_processes:
+        done = _across_processes(one, list(paths), group)
+    elif workers > 1:
+        done = _on_local_workers(paths, options, workers, workload)
+    else:
+        done = {r: one(r) for r in paths}
     if done is None:
         return None
     per_rank = {r: done[r][0] for r in sorted(done)}
@@ -175,6 +172,41 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
                             + (" ..." if len(shards) > 3 else ""))
     result.cost["dtensor_ops_not_judged"] = sum(map(len, left_out.values()))
     return result
+
+
+def _bisect_rank(rank: int, path: Path, options: Dict[str, Any],
+                 progress: Optional[Callable[[int, int, str], None]] = None,
+                 ) -> Tuple[BisectResult, List[Dict[str, Any]]]:
+    """One rank's own ops, from its dump: its result and the DTensor op calls left out."""
+    left: List[Dict[str, Any]] = []
+    try:
+        res = bisect_dump(path, progress=progress, prepare=prepare_events(placements_of(path), left), **options)
+    except BisectError as err:
+        raise BisectError(f"rank {rank}: {err}") from err
+    return res, left
+
+
+def _rank_worker(rank: int, path: Path, options: Dict[str, Any], workload: Any, threads: int
+                 ) -> Tuple[BisectResult, List[Dict[str, Any]]]:
+    import torch
+    torch.set_num_threads(threads)
+    _import_workload_module(workload)
+    return _bisect_rank(rank, path, options)
+
+
+def _on_local_workers(paths: Dict[int, Path], options: Dict[str, Any], workers: int,
+                      workload: Any) -> Dict[int, Any]:
+    """Every rank's :func:`_bisect_rank` on ``workers`` processes of this host."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from .workers import threads_per_worker
+    if workload is not None and not isinstance(workload, str):
+        raise BisectError("--workers: the ranks are bisected in worker processes, which need the workload "
+                          "as path/file.py:fn or package.module:fn")
+    with ProcessPoolExecutor(min(workers, len(paths)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {r: pool.submit(_rank_worker, r, p, options, workload, threads_per_worker(workers))
+                   for r, p in paths.items()}
+        return {r: f.result() for r, f in futures.items()}
 
 
 def _across_processes(one: Callable[[int], Any], ranks: List[int], group: Any = None) -> Optional[Dict[int, Any]]:

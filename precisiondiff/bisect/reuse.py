@@ -77,23 +77,34 @@ class RoundedOps:
     def add(self, ev: UnitEvent, golden: List[torch.Tensor], func: Callable) -> bool:
         """Register ``ev`` when every output of ``func`` is a floating tensor that the DUT
         recorded in ``round_to`` and ``golden`` rounds to it bit for bit."""
+        n_out = self.correctly_rounded(ev, golden, func)
+        return n_out is not None and self.register(ev, n_out)
+
+    def correctly_rounded(self, ev: UnitEvent, golden: List[torch.Tensor], func: Callable) -> Optional[int]:
+        """The number of outputs of ``ev`` when each is its ``golden`` rounded to ``round_to`` bit
+        for bit (and ``func`` returns plain tensors only), else None. Needs the golden: a replay
+        worker answers it (bisect/workers.py), the search's process then :meth:`register` s."""
         returns = getattr(getattr(func, "_schema", None), "returns", None)
         if not returns or getattr(func._schema, "is_mutable", True) \
                 or any(str(r.type) != "Tensor" for r in returns) or len(golden) != len(returns):
-            return False
+            return None
         for i, g in enumerate(golden):
             info = ev.slots.get(f"output.{i}")
             if info is None or not info[2] or info[0] != str(self.round_to).removeprefix("torch.") \
                     or not g.is_floating_point():
-                return False
+                return None
             dut = ev.load(f"output.{i}")
             if tuple(dut.shape) != tuple(g.shape) or not torch.equal(g.to(self.round_to), dut.to(g.device)):
-                return False
+                return None
+        return len(golden)
+
+    def register(self, ev: UnitEvent, n_out: int) -> bool:
+        """Register ``ev``, whose ``n_out`` outputs are their goldens correctly rounded."""
         leaves = self._args(ev, upcast=False)  # the key from the recorded tensors: no copy
         key = _key(ev.name, leaves, self.dtype) if leaves is not None else None
         if key is None:
             return False
-        self._by_key.setdefault(key, []).append((ev, len(golden)))
+        self._by_key.setdefault(key, []).append((ev, n_out))
         return True
 
     def _args(self, ev: UnitEvent, upcast: bool = True) -> Optional[List[Any]]:

@@ -165,6 +165,11 @@ class Search:
             else:
                 return head
 
+    def upcoming_ops(self, n: int) -> List[int]:
+        """The next ``n`` op units the op phase would isolate if none of them offends (a replay
+        pool judges them ahead, in parallel: bisect/workers.py); empty once the op phase is over."""
+        return [] if self._ops_done() else self._ops[self._op_pos:self._op_pos + n]
+
     def will_judge(self, uid: int) -> bool:
         """Whether the module ``uid`` (once queued) is isolated, as far as known now."""
         return not self.moot(uid) and not self._holds_first_offender(uid)

@@ -73,8 +73,17 @@ def _progress():
 @click.option("--peer", default=None, metavar="DEVICE[/DTYPE]",
               help="a real second implementation (another device) in the DUT's dtype: judged ops are replayed "
                    "there too and its error joins the emulated peers' (e.g. cuda/bf16, cpu/bf16)")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="offline: judge the op replays on N processes of this host (the result is the same as "
+                   "with one); a multi-rank dump: bisect N ranks at a time. Under torchrun the job's "
+                   "processes share the replays instead")
+@click.option("--max-replay-bytes", "max_replay_bytes", default="1GiB", show_default=True, metavar="SIZE",
+              help="block-wise replay: a module larger than SIZE in the reference dtype is not replayed whole "
+                   "(its blocks are), and with a culprit such a model's whole reference run is left out; "
+                   "'none': replay every module whole")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, accept, noise,
-           confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements, peer) -> None:
+           confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements, peer, workers,
+           max_replay_bytes) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
@@ -115,16 +124,33 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
     if offline and confirm:
         raise BisectError("--confirm applies to live bisect (substitution reruns the DUT); offline bisect "
                           "compares with the reference (REF_DUMP or --workload) already")
+    from .capture import parse_size
+    replay_limit = None if str(max_replay_bytes).lower() == "none" else parse_size(max_replay_bytes)
+    if workers > 1 and not offline:
+        raise BisectError("--workers applies to a DUT_DUMP (offline bisect); capture the workload with "
+                          "`precisiondiff capture WORKLOAD --mode replay -o DIR` and bisect DIR")
     card = None
     if card_path is not None:
         from ..probe.card import load_card
         card = load_card(card_path)
-    with _progress() as progress:
+    from ..compare.parallel import under_torchrun
+    distributed = offline and not multi and under_torchrun()
+    with _progress() if not distributed or os.environ.get("RANK") == "0" else contextlib.nullcontext() as progress:
         if multi:
-            from ..compare.parallel import under_torchrun
             result = bisect_ranks(source, ref=ref, workload=workload, direction=direction,
-                                  budgets=list(budgets), progress=progress, across_processes=under_torchrun())
+                                  budgets=list(budgets), progress=progress, across_processes=under_torchrun(),
+                                  workers=workers)
             if result is None:  # a torchrun process other than 0: its verdicts went to process 0
+                sys.exit(0)
+            if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+                _tell_torchrun(result)
+        elif distributed:  # torchrun: the job's processes share the replays; process 0 reports
+            from ..bisect.offline import bisect_dump_distributed
+            result = bisect_dump_distributed(source, ref_dump, ref=ref, workload=workload, direction=direction,
+                                             budgets=list(budgets), progress=progress, accept=list(accept),
+                                             allow_narrowed=allow_narrowed, peer=peer,
+                                             max_replay_bytes=replay_limit)
+            if result is None:
                 sys.exit(0)
             if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
                 _tell_torchrun(result)
@@ -132,12 +158,12 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                  budgets=list(budgets), progress=progress, accept=list(accept),
                                  allow_narrowed=allow_narrowed, repro=repro_dir, max_elements=max_elements,
-                                 peer=peer)
+                                 peer=peer, workers=workers, max_replay_bytes=replay_limit)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,
                               accept=list(accept), allow_narrowed=allow_narrowed, repro=repro_dir,
-                              max_elements=max_elements, peer=peer)
+                              max_elements=max_elements, peer=peer, max_replay_bytes=replay_limit)
     _emit(result, card, multi, fmt, out)
 
 

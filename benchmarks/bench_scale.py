@@ -1,0 +1,247 @@
+"""Bisect at scale: a Llama-style decoder from a config (random weights, nothing downloaded), one
+training step at sequence length 256, bf16 DUT against float64, with a planted bf16-accumulating
+GEMM in one late layer's MLP down projection (docs/performance.md, "Scale").
+
+    python benchmarks/bench_scale.py --size 10m|100m|1.1b [--workers 1,2] [--keep DIR]
+
+Each phase runs in its own process, measured with ``/usr/bin/time -v`` (peak RSS):
+
+1. capture: ``precisiondiff capture ... --mode replay`` of one step into a dump;
+2. bisect: ``precisiondiff bisect DUMP --workload ... --format json`` with 1 worker, then with each
+   ``--workers`` count: the verdict, the culprit, ``cost`` (steps, phase breakdown), the replay phase's
+   time (``cost.search_s``) and the peak RSS of the bisect process and of its workers.
+
+The module is also the workload: ``benchmarks/bench_scale.py:build_10m`` (``build_100m``,
+``build_1_1b``); ``PD_SCALE_SEQ`` overrides the sequence length.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+
+SIZES: Dict[str, dict] = {
+    # hidden, layers, heads, kv heads, intermediate, vocab
+    "10m": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                intermediate_size=688, vocab_size=8000),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=16000),
+    "1.1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                 intermediate_size=5632, vocab_size=32000),
+}
+PLANT_LAYER_FROM_END = 2  # the plant sits in layers[L - 2]: a late layer
+CHUNK = 64  # the planted kernel rounds its running sum to bf16 every CHUNK products
+
+
+@torch.library.custom_op("pdscale::acc_linear", mutates_args=())
+def acc_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T``; its bf16 path keeps the running sum over the reduction in bf16 (a planted
+    bf16 accumulator: one rounding per CHUNK products), other dtypes are exact GEMMs."""
+    if x.dtype != torch.bfloat16:
+        return F.linear(x, w)
+    acc = None
+    for k in range(0, x.shape[-1], CHUNK):
+        part = F.linear(x[..., k:k + CHUNK].float(), w[:, k:k + CHUNK].float())
+        acc = part.to(torch.bfloat16) if acc is None else (acc.float() + part).to(torch.bfloat16)
+    return acc
+
+
+@acc_linear.register_fake
+def _(x, w):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _acc_linear_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad @ w, (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+
+
+def _acc_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+acc_linear.register_autograd(_acc_linear_backward, setup_context=_acc_linear_setup)
+
+
+class PlantedLinear(torch.nn.Module):
+    """A bias-free Linear whose forward is the planted kernel (same parameter name ``weight``)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return acc_linear(x, self.weight)
+
+
+def build(size: str, seq: int = 0, plant: bool = True):
+    """The workload of ``size``: a LlamaForCausalLM in bf16 (built in bf16 so that no float32 copy
+    is ever held), batch 1 x ``seq`` tokens, cross-entropy in float32."""
+    import precisiondiff
+    from transformers import LlamaConfig, LlamaForCausalLM
+    seq = seq or int(os.environ.get("PD_SCALE_SEQ", "256"))
+    config = LlamaConfig(max_position_embeddings=max(seq, 512), tie_word_embeddings=False, **SIZES[size])
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if plant:
+        mlp = model.model.layers[config.num_hidden_layers - PLANT_LAYER_FROM_END].mlp
+        mlp.down_proj = PlantedLinear(mlp.down_proj)
+    ids = torch.randint(0, config.vocab_size, (1, seq))
+    labels = torch.randint(0, config.vocab_size, (1, seq))
+
+    def loss(out):
+        return F.cross_entropy(out.logits.float().reshape(-1, config.vocab_size), labels.reshape(-1))
+    return precisiondiff.Workload(model, {"input_ids": ids}, loss=loss)
+
+
+def build_10m():
+    """The 10 M-parameter case."""
+    return build("10m")
+
+
+def build_100m():
+    """The ~100 M-parameter case."""
+    return build("100m")
+
+
+def build_1_1b():
+    """The 1.1 B-parameter case of issue 22."""
+    return build("1.1b")
+
+
+BUILDERS = {"10m": "build_10m", "100m": "build_100m", "1.1b": "build_1_1b"}
+
+
+def params_of(size: str) -> int:
+    """Parameters of ``size`` (meta device: nothing allocated)."""
+    with torch.device("meta"):
+        wl = build(size, seq=8)
+    return sum(p.numel() for p in wl.model.parameters())
+
+
+def _timed(cmd: List[str], env: Dict[str, str]) -> dict:
+    """Run ``cmd`` under ``/usr/bin/time -v``: wall seconds, peak RSS (bytes), exit code, output."""
+    start = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+    return {"wall_s": round(wall, 1), "peak_rss": int(rss.group(1)) * 1024 if rss else None,
+            "rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def replay_memory(size: str, dump: str, scope: str) -> dict:
+    """Peak RSS of one float64 forward+backward golden replay of module ``scope`` ("" the root: what
+    replaying the model whole costs; a block: what block-wise replay costs), in this process."""
+    import resource
+    from precisiondiff.bisect.isolate import GoldenMode, replay_module_step
+    from precisiondiff.bisect.offline import events_from_dump
+    from precisiondiff.store import load
+    wl = build(size)
+    events = events_from_dump(load(dump))
+    fwd = next(e for e in events if e.kind == "module" and e.scope == scope and e.direction == "forward")
+    bwd = next(e for e in events if e.kind == "module" and e.scope == scope and e.direction == "backward")
+    template = wl.model.get_submodule(scope) if scope else wl.model
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    replay_module_step(template, fwd, bwd, device="cpu", dtype=torch.float64, mode=GoldenMode())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"scope": scope or "<root>", "rss_before": before, "peak_rss": peak, "s": round(time.perf_counter() - start, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="10m")
+    ap.add_argument("--workers", default="2", help="worker counts to bisect with besides 1, e.g. 2 or 2,4")
+    ap.add_argument("--keep", default=None, help="keep the dump and the results in this directory")
+    ap.add_argument("--max-replay-bytes", default=None,
+                    help="bisect --max-replay-bytes (default: bisect's own)")
+    ap.add_argument("--seq", type=int, default=256, help="sequence length (the issue's case: 256)")
+    ap.add_argument("--direction", choices=["forward", "backward"], default=None,
+                    help="bisect --direction (default: both, the issue's case)")
+    ap.add_argument("--replay-memory", nargs=2, metavar=("DUMP", "SCOPE"), default=None,
+                    help="only measure one float64 golden replay of module SCOPE ('' the root) from DUMP")
+    args = ap.parse_args(argv)
+    if args.replay_memory:
+        got = replay_memory(args.size, *args.replay_memory)
+        print(f"{args.size}: float64 replay of {got['scope']}: RSS {_gib(got['rss_before'])} before, peak "
+              f"{_gib(got['peak_rss'])} ({_gib(got['peak_rss'] - got['rss_before'])} more), {got['s']} s")
+        return 0
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = f"{os.path.join(here, 'bench_scale.py')}:{BUILDERS[args.size]}"
+    root = args.keep or tempfile.mkdtemp(prefix="pd-scale-")
+    os.makedirs(root, exist_ok=True)
+    dump = os.path.join(root, "dump")
+    shutil.rmtree(dump, ignore_errors=True)
+    env = dict(os.environ, PD_SCALE_SEQ=str(args.seq),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    cli = [sys.executable, "-m", "precisiondiff.cli"]
+    n_params = params_of(args.size)
+    print(f"model {args.size}: {n_params / 1e6:.1f} M parameters, {SIZES[args.size]}, sequence {args.seq}; bf16 "
+          f"{_gib(2 * n_params)}, float64 {_gib(8 * n_params)}; torch threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} CPUs")
+    cap = _timed(cli + ["capture", spec, "--target", "cpu/bf16", "--mode", "replay", "-o", dump], env)
+    if cap["rc"] != 0:
+        print(cap["stderr"][-3000:])
+        return 1
+    print(f"capture: {cap['wall_s']} s, peak RSS {_gib(cap['peak_rss'])}, dump {_gib(_dir_bytes(dump))}")
+    rows = []
+    counts = [1] + [int(w) for w in args.workers.split(",") if w.strip() and int(w) > 1]
+    extra = (["--max-replay-bytes", args.max_replay_bytes] if args.max_replay_bytes else []) + \
+        (["--direction", args.direction] if args.direction else [])
+    for n in counts:
+        out = os.path.join(root, f"bisect-w{n}.json")
+        run = _timed(cli + ["bisect", dump, "--workload", spec, "--format", "json", "-o", out, *extra]
+                     + (["--workers", str(n)] if n > 1 else []), env)
+        if run["rc"] not in (0, 1) or not os.path.exists(out):
+            print(run["stderr"][-3000:])
+            return 1
+        with open(out, encoding="utf-8") as fh:
+            res = json.load(fh)
+        rows.append((n, run, res))
+        c, cost = res.get("culprit") or {}, res["cost"]
+        print(f"bisect, {n} worker(s): {res['verdict']}, culprit {c.get('kind')} {c.get('name')} in "
+              f"{c.get('scope')} ({c.get('direction')}); wall {run['wall_s']} s, replay phase "
+              f"{cost.get('search_s')} s, peak RSS {_gib(run['peak_rss'])}"
+              + (f" (workers' peak {_gib(cost.get('workers', {}).get('peak_rss'))})" if n > 1 else ""))
+        print(f"  cost: {cost['steps']} steps ({cost['forward_equivalents']} forward-equivalents): "
+              + ", ".join(f"{k} {v}" for k, v in cost["breakdown"].items()))
+        if cost.get("block_wise"):
+            print(f"  block-wise: {cost['block_wise']}")
+    if len(rows) > 1:
+        base = rows[0][2]
+        for n, run, res in rows[1:]:
+            same = json.dumps({k: v for k, v in res.items() if k != "cost"}, sort_keys=True) == \
+                json.dumps({k: v for k, v in base.items() if k != "cost"}, sort_keys=True)
+            ratio = res["cost"]["search_s"] / base["cost"]["search_s"] if base["cost"].get("search_s") else None
+            print(f"{n} workers vs 1: replay phase {ratio:.2f}x; results (all but cost) "
+                  f"{'identical' if same else 'DIFFER'}")
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Replays on many workers: the op replays of a bisect's descent judged on several processes.
+
+The float64 op replays are independent per op call, so the search (:func:`~precisiondiff.bisect.
+engine.run_search`) asks an *op pool* to judge a window of the ops it will isolate next and then
+consumes the judgements in its own order, exactly as if it had judged each op itself: the
+verdict, the culprit and every figure are those of one worker (the ops judged ahead past the
+point where the search stops are dropped, and their replays are not counted).
+
+* :class:`LocalPool` (``bisect DUMP --workers N``): N processes on this host, each with the dump
+  open (it reads only the ops it judges) and the workload's module imported for its custom ops;
+* :class:`DistPool` (``torchrun --nproc-per-node N -m precisiondiff bisect DUMP``): every process of
+  the job runs the same search; process ``i`` of ``W`` judges ops ``i, i+W...`` of each window and
+  the judgements are all-gathered (gloo), so every process goes on with the same ones.
+
+Module replays stay on the search's process (they reuse the op replays' roundings,
+bisect/reuse.py). Multi-rank dumps are shared out by rank instead (:mod:`.ranks`).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .engine import EngineInput, OpResult, judge_op_unit
+from .isolate import UnitEvent
+
+__all__ = ["LocalPool", "DistPool", "WINDOW_PER_WORKER", "threads_per_worker", "import_workload_module"]
+
+WINDOW_PER_WORKER = 32  # ops judged ahead per worker: enough to balance large and small ops
+CHUNK = 4  # ops per task sent to a local worker
+
+_STATE: Dict[str, Any] = {}  # a local worker's dump, events and options
+
+
+def threads_per_worker(workers: int) -> int:
+    """Intra-op threads of each of ``workers`` processes on this host: the cores shared out."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def _options(inp: EngineInput, module_classes: Dict[str, str]) -> Dict[str, Any]:
+    return {"dut_dtype": inp.dut_dtype, "ref_device": inp.ref_device, "ref_dtype": inp.ref_dtype,
+            "overrides": inp.overrides, "peer_device": inp.peer_device, "peer_name": inp.peer_name,
+            "module_classes": module_classes}
+
+
+def import_workload_module(workload: Any) -> None:
+    """Import the module of a ``path.py:fn`` / ``package.module:fn`` spec (its custom ops), without
+    building the workload.
+
+    Raises:
+        BisectError: the module cannot be imported.
+    """
+    from ..errors import BisectError, PrecisionDiffError
+    if workload is None or callable(workload):
+        return
+    from ..runtime.workload import _load_module
+    module_part = str(workload).rsplit(":", 1)[0] if ":" in str(workload) else str(workload)
+    try:
+        _load_module(module_part)
+    except PrecisionDiffError as err:
+        raise BisectError(str(err)) from err
+
+
+def _init(events_of: Callable[..., List[UnitEvent]], dump_path: str, workload_module: Optional[str],
+          options: Dict[str, Any], threads: int) -> None:
+    """A local worker's start: threads, the workload's custom ops, the dump's events
+    (``events_of(dump, all_steps=True)``: offline.events_from_dump)."""
+    torch.set_num_threads(threads)
+    import_workload_module(workload_module)
+    from ..store import load
+    events = events_of(load(dump_path), all_steps=True)
+    classes = options.pop("module_classes")
+    _STATE["events"] = {(e.step, e.seq): e for e in events}
+    _STATE["input"] = EngineInput(events=[], module_class_of=classes.get, **options)
+
+
+def _judge_chunk(keys: Sequence[Tuple[int, int]], rounding: bool) -> List[Tuple[Tuple[int, int], OpResult]]:
+    inp = _STATE["input"]
+    return [(k, judge_op_unit(_STATE["events"][k], inp, rounding)) for k in keys]
+
+
+class LocalPool:
+    """``workers`` processes on this host judging op units of one dump.
+
+    Args:
+        workers: the number of processes.
+        dump_path: the dump every worker opens (each reads the tensors of the ops it judges).
+        inp: the search's input (dtypes, devices, overrides, peer), as the workers rebuild it.
+        module_classes: scope -> module class name (op budgets per module class), so that the
+            workers need not build the model.
+        workload: the workload spec whose module is imported in each worker (custom ops).
+        rounding: whether module replays will reuse the op replays (then each result says how
+            many outputs round correctly).
+        events_of: ``events_of(dump, all_steps=True)``, the dump's events (a module-level function:
+            it is sent to the workers by name).
+    """
+
+    def __init__(self, workers: int, dump_path: str, inp: EngineInput, module_classes: Dict[str, str], *,
+                 events_of: Callable[..., List[UnitEvent]], workload: Optional[str] = None,
+                 rounding: bool = True) -> None:
+        import multiprocessing
+        self.workers = workers
+        self.window = WINDOW_PER_WORKER * workers
+        self.rounding = rounding
+        # spawn, not fork: the parent may hold OpenMP threads and a large model
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_init,
+                                         initargs=(events_of, os.fspath(dump_path), workload,
+                                                   _options(inp, module_classes),
+                                                   threads_per_worker(workers)))
+
+    def judge(self, events: List[UnitEvent]) -> Dict[int, OpResult]:
+        """Judge ``events`` (op calls of one step) on the workers: ``{seq: OpResult}``."""
+        keys = [(e.step, e.seq) for e in events]
+        chunks = [keys[i:i + CHUNK] for i in range(0, len(keys), CHUNK)]
+        out: Dict[int, OpResult] = {}
+        for part in self._pool.map(_judge_chunk, chunks, [self.rounding] * len(chunks)):
+            for (_, seq), res in part:
+                out[seq] = res
+        return out
+
+    def peak_rss(self) -> Optional[int]:
+        """The largest peak RSS of a finished worker (bytes; after :meth:`close`)."""
+        import resource
+        kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        return kib * 1024 if kib else None
+
+    def close(self) -> None:
+        """Stop the workers."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class DistPool:
+    """The processes of a torch.distributed job judging op units together: each judges its share
+    of a window and the judgements are all-gathered (every process runs the same search).
+
+    Args:
+        inp: this process's search input (every process opened the same dump).
+        rounding: as :class:`LocalPool`.
+        group: the process group (default: the default group).
+    """
+
+    def __init__(self, inp: EngineInput, *, rounding: bool = True, group: Any = None) -> None:
+        import torch.distributed as dist
+        self._dist, self.group = dist, group
+        self.rank, self.workers = dist.get_rank(group), dist.get_world_size(group)
+        self.window = WINDOW_PER_WORKER * self.workers
+        self.inp, self.rounding = inp, rounding
+
+    def judge(self, events: List[UnitEvent]) -> Dict[int, OpResult]:
+        """Judge this process's share of ``events`` and gather everyone's: ``{seq: OpResult}``."""
+        mine = [(e.seq, judge_op_unit(e, self.inp, self.rounding))
+                for i, e in enumerate(events) if i % self.workers == self.rank]
+        gathered: List[Any] = [None] * self.workers
+        self._dist.all_gather_object(gathered, mine, group=self.group)
+        return {seq: res for part in gathered for seq, res in part}
+
+    def close(self) -> None:
+        """Nothing to stop: the job's processes are torchrun's."""
+

@@ -1,0 +1,88 @@
+"""Replays on many workers (bisect/workers.py): ``--workers N`` (a process pool on this host) and
+``torchrun ... bisect DUMP`` judge the op replays of the descent on several processes and give the
+result of one worker, figure for figure; a multi-rank dump is shared out by rank. 2 workers, gloo
+on 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from precisiondiff.bisect import bisect_dump
+from precisiondiff.bisect.ranks import bisect_ranks
+from precisiondiff.capture.runner import capture_workload
+from tests.conftest import ROOT, pd_cli
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+
+PLANTED = "tests/bisect/planted_blocks.py:planted_workload"
+TIMINGS = ("wall_s", "search_s", "workers")  # what may differ between runs
+
+
+def _figures(result: dict) -> dict:
+    """The result without wall-clock times and the workers' description."""
+    out = dict(result)
+    out["cost"] = {k: v for k, v in result["cost"].items() if k not in TIMINGS}
+    return out
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    path = tmp_path_factory.mktemp("workers") / "dut"
+    capture_workload(PLANTED, path, target="cpu/bf16", mode="replay")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_worker(dump):
+    return bisect_dump(dump, workload=PLANTED).to_json()
+
+
+def _torchrun(*args: str, port: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_two_local_workers_give_the_result_of_one(dump, one_worker):
+    two = bisect_dump(dump, workload=PLANTED, workers=2)
+    assert one_worker["verdict"] == "kernel"
+    assert one_worker["culprit"]["name"] == "pdblocks.acc_linear.default"
+    assert two.cost["workers"]["n"] == 2 and "workers" not in one_worker["cost"]
+    assert json.dumps(_figures(two.to_json()), sort_keys=True) == json.dumps(_figures(one_worker), sort_keys=True)
+
+
+def test_torchrun_processes_share_the_replays_and_process_0_reports_the_result_of_one(dump, one_worker, tmp_path):
+    from tests.distributed.conftest import free_port
+    out = tmp_path / "bisect.json"
+    run = _torchrun("-m", "precisiondiff.cli", "bisect", dump, "--workload", PLANTED, "--format", "json",
+                    "-o", str(out), port=free_port())
+    assert run.returncode == 1, run.stderr[-2000:]  # the verdict's code: a culprit
+    got = json.loads(out.read_text())
+    assert got["cost"]["workers"] == {"n": 2, "kind": "DistPool"}
+    assert json.dumps(_figures(got), sort_keys=True) == json.dumps(_figures(one_worker), sort_keys=True)
+
+
+def test_a_multi_rank_dump_is_bisected_rank_by_rank_on_workers(tmp_path):
+    from tests.distributed.conftest import free_port
+    run_dir = tmp_path / "job"
+    cap = _torchrun("-m", "precisiondiff.cli", "capture", PLANTED, "--target", "cpu/bf16", "--mode", "replay",
+                    "-o", str(run_dir), port=free_port())
+    assert cap.returncode == 0, cap.stderr[-2000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank0", "rank1"]
+    one = bisect_ranks(run_dir, workload=PLANTED).to_json()
+    two = bisect_ranks(run_dir, workload=PLANTED, workers=2).to_json()
+    assert one["verdict"] == "kernel" and one["culprit"]["name"] == "pdblocks.acc_linear.default"
+    assert sorted(one["ranks"]) == ["0", "1"]
+    assert json.dumps(_figures(two), sort_keys=True) == json.dumps(_figures(one), sort_keys=True)
+
+
+def test_workers_on_a_live_workload_is_one_clear_line():
+    bad = pd_cli("bisect", PLANTED, "--workers", "2")
+    assert bad.returncode == 2 and "--workers applies to a DUT_DUMP" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
