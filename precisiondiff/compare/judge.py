@@ -4,6 +4,7 @@ constants and run-to-run noise (see :mod:`.dumps` and docs/compare.md)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Mapping, Optional, Tuple
 
 from .comparison import NOISE_FACTOR, Row
@@ -109,6 +110,7 @@ def judge_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge,
             row.verdict = "pass" if m["mismatched"] == 0 else "fail"
             if row.verdict == "fail":
                 row.message = f"{ra.key}: {m['mismatched']} of {m['numel']} elements differ"
+                _index_note(row, f"{m['mismatched']} of {m['numel']} indices differ")
             return
         row.op_class = judge.op_class(row.name)
         row.error = num(m, "diff2")
@@ -129,6 +131,25 @@ def judge_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge,
             ok, row.note, row.error = True, note, 0.0
     row.verdict = "pass" if ok else "fail"
     row.message = "" if ok else msg
+    if not ok and row.mode == "stats" and not is_float(ra.dtype):
+        _index_note(row, "their statistics differ")
+
+
+# Ops whose integer outputs are positions chosen by comparing floating values (argmax, the indices
+# of max.dim, sort, topk, ...). Two correct implementations at different precisions pick different
+# positions wherever values tie within rounding, so such an output is not a divergence of its own:
+# the values it selects are judged in their own rows (and downstream, where the indices are used).
+_INDEX_OP = re.compile(r"\.(arg)?(max|min)\.|\.(sort|argsort|topk|kthvalue|mode|median|nanmedian|cummax|"
+                       r"cummin|_cummax_helper|_cummin_helper)\.|_with_indices")
+
+
+def _index_note(row: Row, what: str) -> None:
+    """Pass a failing integer row of a floating selection op, with a note saying what differs."""
+    if row.kind != "op" or not _INDEX_OP.search(f".{row.name}."):
+        return
+    row.verdict, row.message, row.error = "pass", "", 0.0
+    row.note = (f"{row.key}: {what}: positions chosen among floating values, which tie differently "
+                "at different precisions; judged through the values they select")
 
 
 def _judge_fills(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge, device: Optional[str],
