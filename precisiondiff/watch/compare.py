@@ -43,7 +43,7 @@ from ..comparators.ulp import float_format
 from ..errors import PrecisionDiffError
 from .log import FIELDS, WatchLog, read_logs
 
-__all__ = ["DEFAULTS", "WatchComparison", "compare_logs", "tensor_error"]
+__all__ = ["DEFAULTS", "StepJudge", "WatchComparison", "compare_logs", "tensor_error"]
 
 DEFAULTS = {
     "loss_rel": 0.01,        # msprobe train_debug_guide: loss misaligned above 1% relative error
@@ -203,6 +203,79 @@ def _spiked(prev: Optional[float], cur: Optional[float]) -> bool:
     return not math.isfinite(cur) or abs(cur) > DEFAULTS["spike_factor"] * max(abs(prev), _TINY)
 
 
+class StepJudge:
+    """Judges two runs one step at a time by the rules above (errors, thresholds, spikes).
+
+    Shared by :func:`compare_logs` (over two finished logs) and ``watch --ref`` (each step of the
+    running job against the reference's same step, as it completes).
+
+    Args:
+        quantities: what is compared (:func:`_quantities`), in execution order.
+        noise: whether a noise run gives the band (else the static thresholds apply).
+        keep: keep every step's error and band per quantity (the report's heat map); a running
+            job keeps only the band's running maximum.
+    """
+
+    def __init__(self, quantities: List[_Quantity], *, noise: bool, keep: bool = True) -> None:
+        self.quantities, self.noise, self.keep = quantities, noise, keep
+        self.floor = DEFAULTS["noise_floor_u"] * max((q.eps for q in quantities), default=2.0 ** -23) / 2
+        self._band: Dict[str, float] = {}
+        self._prev_a: Dict[str, Optional[float]] = {}
+        self._prev_b: Dict[str, Optional[float]] = {}
+
+    def threshold(self, q: _Quantity) -> float:
+        """The quantity's threshold at the last judged step."""
+        if self.noise:
+            return max(DEFAULTS["noise_margin"] * self._band.get(q.key, 0.0), self.floor)
+        return q.static
+
+    def judge(self, s: int, ra: Dict[str, Any], rb: Dict[str, Any], rc: Optional[Dict[str, Any]] = None
+              ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+        """Step ``s``: A's record ``ra`` against B's ``rb`` (``rc``: the noise run's, if any).
+
+        Returns:
+            The step's summary (``step``, both losses, ``loss_error``, ``max_error``, ``worst``,
+            ``diverged``: how many quantities crossed, ``bitwise``) and, when one crossed, the
+            first in execution order (``step``, ``key``, ``scope``, ``tensor``, ``error``,
+            ``threshold``, ``reason``: ``error`` or ``spike``, ``depth``, ``crossed``), else None.
+        """
+        crossed = []
+        worst, worst_key, bitwise = 0.0, None, True
+        for q in self.quantities:
+            err = _value_errors(q, ra, rb)
+            if err is None:
+                continue
+            if self.keep:
+                q.errors[s] = err
+            bitwise = bitwise and err == 0.0
+            if self.noise:
+                noise = _value_errors(q, rc, rb) if rc is not None else None
+                band = max(self._band.get(q.key, 0.0), noise if noise is not None and not math.isnan(noise) else 0.0)
+                self._band[q.key] = band
+                if self.keep:
+                    q.band[s] = band
+            threshold = self.threshold(q)
+            reason = "error" if err > threshold else None
+            va, vb = _scalar(q, ra), _scalar(q, rb)
+            if reason is None and _spiked(self._prev_a.get(q.key), va) != _spiked(self._prev_b.get(q.key), vb):
+                reason = "spike"
+            self._prev_a[q.key], self._prev_b[q.key] = va, vb
+            if err > worst or worst_key is None:
+                worst, worst_key = err, q.key
+            if reason is not None:
+                crossed.append((q, err, threshold, reason))
+        entry = {"step": s, "loss_a": ra.get("loss"), "loss_b": rb.get("loss"),
+                 "loss_error": next((_value_errors(q, ra, rb) for q in self.quantities if q.key == "loss"), None),
+                 "max_error": worst, "worst": worst_key, "diverged": len(crossed), "bitwise": bitwise}
+        if not crossed:
+            return entry, None
+        crossed.sort(key=lambda c: c[0].order)
+        q, err, threshold, reason = crossed[0]
+        return entry, {"step": s, "key": q.key, "scope": q.scope, "tensor": q.tensor, "error": err,
+                       "threshold": threshold, "reason": reason, "depth": q.depth,
+                       "crossed": [c[0].key for c in crossed][:20]}
+
+
 def _compare_pair(la: WatchLog, lb: WatchLog, lc: Optional[WatchLog]) -> Dict[str, Any]:
     sa, sb = la.by_step(), lb.by_step()
     steps = sorted(set(sa) & set(sb))
@@ -211,47 +284,15 @@ def _compare_pair(la: WatchLog, lb: WatchLog, lc: Optional[WatchLog]) -> Dict[st
         raise PrecisionDiffError(f"{la.path} and {lb.path} share no watched step: watch both runs with the same --every")
     quantities = _quantities(la, lb, steps)
     sc = lc.by_step() if lc is not None else {}
-    floor = DEFAULTS["noise_floor_u"] * max((q.eps for q in quantities), default=2.0 ** -23) / 2
+    judge = StepJudge(quantities, noise=lc is not None)
+    floor = judge.floor
     first: Optional[Dict[str, Any]] = None
     per_step = []
-    prev_a: Dict[str, Optional[float]] = {}
-    prev_b: Dict[str, Optional[float]] = {}
     for s in steps:
-        ra, rb = sa[s], sb[s]
-        rc = sc.get(s)
-        crossed = []
-        worst, worst_key, bitwise = 0.0, None, True
-        for q in quantities:
-            err = _value_errors(q, ra, rb)
-            if err is None:
-                continue
-            q.errors[s] = err
-            bitwise = bitwise and err == 0.0
-            if lc is not None:
-                noise = _value_errors(q, rc, rb) if rc is not None else None
-                previous = max(q.band.values()) if q.band else 0.0
-                q.band[s] = max(previous, noise if noise is not None and not math.isnan(noise) else 0.0)
-                threshold = max(DEFAULTS["noise_margin"] * q.band[s], floor)
-            else:
-                threshold = q.static
-            reason = "error" if err > threshold else None
-            va, vb = _scalar(q, ra), _scalar(q, rb)
-            if reason is None and _spiked(prev_a.get(q.key), va) != _spiked(prev_b.get(q.key), vb):
-                reason = "spike"
-            prev_a[q.key], prev_b[q.key] = va, vb
-            if err > worst or worst_key is None:
-                worst, worst_key = err, q.key
-            if reason is not None:
-                crossed.append((q, err, threshold, reason))
-        entry = {"step": s, "loss_a": ra.get("loss"), "loss_b": rb.get("loss"),
-                 "loss_error": next((q.errors.get(s) for q in quantities if q.key == "loss"), None),
-                 "max_error": worst, "worst": worst_key, "diverged": len(crossed), "bitwise": bitwise}
+        entry, crossed = judge.judge(s, sa[s], sb[s], sc.get(s))
         per_step.append(entry)
-        if crossed and first is None:
-            q, err, threshold, reason = min(crossed, key=lambda c: c[0].order)
-            first = {"step": s, "key": q.key, "scope": q.scope, "tensor": q.tensor, "error": err,
-                     "threshold": threshold, "reason": reason, "depth": q.depth,
-                     "crossed": [c[0].key for c in sorted(crossed, key=lambda c: c[0].order)][:20]}
+        if crossed is not None and first is None:
+            first = crossed
     growth = []
     at = first["step"] if first is not None else (steps[-1] if steps else None)
     for q in quantities:
