@@ -41,6 +41,7 @@ from ..capture.stats import StatsBatch, copy_to_host
 from ..errors import PrecisionDiffError
 from .log import FIELDS, LOG_FILE, LogWriter
 from .replay import ReplayWindow
+from .trigger import Triggers
 
 __all__ = ["Watch", "WatchWarning", "watch", "LEVELS", "layer_modules", "losses_from_backward"]
 
@@ -142,6 +143,11 @@ class Watch:
             each ``optimizer.step()`` ends a step and the loss is what ``backward()`` was called on.
         replay_steps: capture these steps (``"5,6"``) in replay mode into ``out/replay`` as the run
             goes (:mod:`.replay`), for ``precisiondiff bisect out/replay``.
+        ref: a reference watch log (``watch --ref``): each watched step is judged against its same
+            step by compare's rule, and the step after the first one that crosses is captured in
+            replay mode into ``out/replay`` (:mod:`.trigger`).
+        ref_noise: a noise run's log for ``ref`` (its error against ``ref`` is the band).
+        on_anomaly: the same capture at the first NaN/Inf, loss spike or gradient norm jump.
 
     Example:
         >>> with precisiondiff.watch("runs/w", model=model, optimizer=opt) as w:
@@ -153,7 +159,9 @@ class Watch:
     def __init__(self, out: "str | os.PathLike", *, model: Optional[nn.Module] = None,
                  optimizer: Any = None, level: str = "default", modules: Optional[str] = None,
                  every: int = 1, param_every: int = 10, meta: Optional[dict] = None,
-                 overwrite: bool = False, global_hooks: bool = False, replay_steps: Optional[str] = None) -> None:
+                 overwrite: bool = False, global_hooks: bool = False, replay_steps: Optional[str] = None,
+                 ref: "str | os.PathLike | None" = None, ref_noise: "str | os.PathLike | None" = None,
+                 on_anomaly: bool = False) -> None:
         if level not in LEVELS:
             raise PrecisionDiffError(f"unknown watch level {level!r}: use one of {', '.join(LEVELS)}")
         if int(every) < 1 or int(param_every) < 1:
@@ -181,6 +189,17 @@ class Watch:
                                          "torch optimizer, or none (weights and gradients are then read at w.step(), "
                                          "before zero_grad)")
         self.rank, self.world_size = rank_and_world()
+        self._triggers: Optional[Triggers] = None
+        if ref is not None or ref_noise is not None or on_anomaly:
+            if replay_steps:
+                raise PrecisionDiffError("give --replay-steps or a trigger (--ref, --on-anomaly), not both: "
+                                         "each captures into OUT/replay")
+            self._triggers = Triggers(ref=ref, ref_noise=ref_noise, on_anomaly=on_anomaly, rank=self.rank)
+        self.triggered: Optional[Dict[str, Any]] = None  # the trigger's hit: the step, the rule, the reason
+        self.trigger_error: Optional[str] = None  # a reference refused once the run had started
+        self._replay_in_forward = False  # a triggered window of a script opens at the next module call
+        self._model_checked = False
+        self._header: Dict[str, Any] = {}
         self.step_index = 0
         self.errors: List[str] = []
         self._handles: List[Any] = []
@@ -207,6 +226,11 @@ class Watch:
         model = self._model() if self._model is not None else None
         if self._replay is not None:
             self._replay.check()
+        if self._triggers is not None:
+            ReplayWindow(os.path.join(self.out, "replay"), frozenset({0}), {}).check()
+            if model is not None and self._triggers.ref is not None:  # a user error before the training starts
+                self._triggers.ref.check_model(self._signature()["signature"])
+                self._model_checked = True
         if model is not None:
             self._name_tree(model, "")
             for module, scope in self._watched.items():
@@ -274,6 +298,10 @@ class Watch:
             self._param_names.setdefault(id(p), f"{prefix}.{name}" if prefix else name)
 
     def _global_pre(self, module: nn.Module, args: Any) -> None:
+        r = self._replay
+        if self._replay_in_forward and r is not None and r.session is None and not r.done \
+                and self.step_index == r.first:
+            self._replay_safely(lambda r: r.open_in_forward(module, args, self.step_index))
         if module in self._named or self.errors:
             return
         try:
@@ -516,7 +544,8 @@ class Watch:
                 copies.append((host, done))
             self._batch.start()
         self._pending.append(_Pending(self.step_index, self._keys, self._batch, names, copies, self._dtypes))
-        self._drain(all_of_them=not self._on_accelerator(copies))
+        # a trigger decides at the step's end, so the next step can be captured: read it back now
+        self._drain(all_of_them=not self._on_accelerator(copies) or self._triggers is not None)
 
     @staticmethod
     def _on_accelerator(copies: list) -> bool:
@@ -537,6 +566,38 @@ class Watch:
                 record["note"] = "nothing was measured in this step"
             self._writer.write(record)
             self._wrote_dtypes = True
+            if self._triggers is not None and self.triggered is None and self.trigger_error is None:
+                self._judge(record)
+
+    # -- triggers (trigger.py): the first step that crosses arms a replay capture of the next -----
+    def _judge(self, record: Dict[str, Any]) -> None:
+        try:
+            if self._triggers.ref is not None and not self._model_checked:
+                self._triggers.ref.check_model(self._header["model"]["signature"])  # a script's model is known now
+                self._model_checked = True
+            hit = self._triggers.judge(self._header, record)
+        except Exception as err:  # noqa: BLE001 - a refused reference or the rule's own error: the run goes on
+            self.trigger_error = str(err) if isinstance(err, PrecisionDiffError) else f"{type(err).__name__}: {err}"
+            message = f"trigger stopped: {self.trigger_error}"
+            self._writer.write({"note": message})
+            try:
+                warnings.warn(f"precisiondiff watch: {message}; the training and the watch run on", WatchWarning,
+                              stacklevel=3)
+            except Warning:
+                pass
+            return
+        if hit is None:
+            return
+        self.triggered = hit
+        step = int(record["step"]) + 1
+        hit["captured_step"] = step
+        replay = os.path.join(self.out, "replay")
+        self._writer.write({"note": f"trigger at step {record['step']} ({hit['rule']}: {hit['reason']}): "
+                                    f"step {step} is captured in replay mode into {replay}", "trigger": hit})
+        log.warning("precisiondiff watch: step %s crossed (%s: %s); capturing step %d in replay mode into %s",
+                    record["step"], hit["rule"], hit["reason"], step, replay)
+        self._replay = ReplayWindow(replay, frozenset({step}), {**self.meta, "watch": self.out, "trigger": hit})
+        self._replay_in_forward = self.global_hooks
 
     # -- the log ------------------------------------------------------------------------------
     def _write_notes(self) -> None:
@@ -563,6 +624,7 @@ class Watch:
                   "rank": self.rank, "world_size": self.world_size,
                   "meta": {"torch": torch.__version__, "argv": list(sys.argv), **self.meta}}
         self._writer = LogWriter(self._directory(), header, overwrite=self.overwrite)
+        self._header = header
 
     def _fail(self, err: BaseException) -> None:
         """Watch's own error: stop watching, note it in the log, warn once. Never raises."""
@@ -604,7 +666,9 @@ def losses_from_backward(w: Watch) -> Iterator[None]:
 
 def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimizer: Any = None,
           level: str = "default", modules: Optional[str] = None, every: int = 1, param_every: int = 10,
-          meta: Optional[dict] = None, overwrite: bool = False, replay_steps: Optional[str] = None) -> Watch:
+          meta: Optional[dict] = None, overwrite: bool = False, replay_steps: Optional[str] = None,
+          ref: "str | os.PathLike | None" = None, ref_noise: "str | os.PathLike | None" = None,
+          on_anomaly: bool = False) -> Watch:
     """Watch a training run: a few statistics per layer, parameter and step, and the loss.
 
     Args:
@@ -618,6 +682,10 @@ def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimi
         meta: extra fields for the log's header.
         overwrite: replace an existing log.
         replay_steps: capture these steps (``"5,6"``) in replay mode into ``out/replay``.
+        ref: a reference watch log: the first step whose statistics cross compare's threshold
+            against the reference's same step makes the next step be captured in replay mode
+            into ``out/replay``; ref_noise: a noise run's log that gives ``ref`` its band.
+        on_anomaly: the same capture at the first NaN/Inf, loss spike or gradient norm jump.
 
     Returns:
         A :class:`Watch` to use as a context manager; call ``.step(loss=loss)`` after each step.
@@ -627,4 +695,5 @@ def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimi
         ...     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad(); w.step(loss=loss)
     """
     return Watch(out, model=model, optimizer=optimizer, level=level, modules=modules, every=every,
-                 param_every=param_every, meta=meta, overwrite=overwrite, replay_steps=replay_steps)
+                 param_every=param_every, meta=meta, overwrite=overwrite, replay_steps=replay_steps,
+                 ref=ref, ref_noise=ref_noise, on_anomaly=on_anomaly)
