@@ -143,5 +143,13 @@ def main(argv=None) -> None:
         train_step(model, opt, tokens)
 
 
+def workload():
+    """The model as a ``precisiondiff.Workload`` (``bisect DUMP --workload tests.watch.train:workload``
+    imports this module, which registers ``pdwatch::fused_gelu``, and rebuilds the modules)."""
+    import precisiondiff
+    model, _, tokens = build(gelu_op=True)
+    return precisiondiff.Workload(model, tokens)
+
+
 if __name__ == "__main__":
     main()
