@@ -8,7 +8,7 @@
 
 ``--broken-from K`` (``gelu_op=True``): block ``planted_layer``'s MLP activation is a custom op,
 ``pdwatch::fused_gelu`` (a vendor's fused kernel), whose low-precision path scales its output by
-1.125 while :data:`BROKEN` is on; the script turns it on from step K (the tests flip it
+``BROKEN["scale"]`` (1.125) while :data:`BROKEN` is on; the script turns it on from step K (the tests flip it
 themselves). Bisect replays the op from a dump and names it.
 """
 from __future__ import annotations
@@ -25,14 +25,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tiny_transformer import TinyTransformer  # noqa: E402
 
 VOCAB = 128
-BROKEN = {"on": False}
+BROKEN = {"on": False, "scale": 1.125}
 
 
 @torch.library.custom_op("pdwatch::fused_gelu", mutates_args=())
 def fused_gelu(x: torch.Tensor) -> torch.Tensor:
     y = F.gelu(x)
     if BROKEN["on"] and x.dtype != torch.float64:
-        return y * 1.125  # the planted bug: a stale scale on the low-precision path
+        return y * BROKEN["scale"]  # the planted bug: a stale scale on the low-precision path
     return y
 
 
