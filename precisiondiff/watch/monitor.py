@@ -196,7 +196,8 @@ class Watch:
                                          "each captures into OUT/replay")
             self._triggers = Triggers(ref=ref, ref_noise=ref_noise, on_anomaly=on_anomaly, rank=self.rank)
         self.triggered: Optional[Dict[str, Any]] = None  # the trigger's hit: the step, the rule, the reason
-        self.trigger_error: Optional[str] = None  # a reference refused once the run had started
+        self.trigger_error: Optional[str] = None  # why the trigger stopped (it judges no more steps)
+        self.trigger_refused = False  # because the reference was refused once the run had started
         self._replay_in_forward = False  # a triggered window of a script opens at the next module call
         self._model_checked = False
         self._header: Dict[str, Any] = {}
@@ -577,9 +578,13 @@ class Watch:
                 self._model_checked = True
             hit = self._triggers.judge(self._header, record)
         except Exception as err:  # noqa: BLE001 - a refused reference or the rule's own error: the run goes on
-            self.trigger_error = str(err) if isinstance(err, PrecisionDiffError) else f"{type(err).__name__}: {err}"
+            refused = isinstance(err, PrecisionDiffError)  # a user error: watch_script reports it when the run ends
+            self.trigger_error = str(err) if refused else f"{type(err).__name__}: {err}"
             message = f"trigger stopped: {self.trigger_error}"
             self._writer.write({"note": message})
+            self.trigger_refused = refused
+            if refused:
+                return
             try:
                 warnings.warn(f"precisiondiff watch: {message}; the training and the watch run on", WatchWarning,
                               stacklevel=3)

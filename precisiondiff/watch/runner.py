@@ -43,10 +43,12 @@ def watch_script(script: str, args: List[str], out: "str | os.PathLike", *, leve
         code = run_as_main(script, list(args), f"the steps watched so far are kept in {out}")
     if code:
         raise WorkloadError(f"{script} exited with status {code}; the watch log in {out} is kept")
-    if w.trigger_error is not None:
+    if w.trigger_refused:
         from ..errors import PrecisionDiffError
         raise PrecisionDiffError(f"{w.trigger_error}; the run was watched into {out} without the trigger")
     stopped = f"; watch stopped early: {w.errors[0]}" if w.errors else ""
+    if w.trigger_error is not None:
+        stopped += f"; the trigger stopped: {w.trigger_error}"
     replay = f"; steps {replay_steps} captured in replay mode into {os.path.join(out, 'replay')}" \
         if replay_steps and os.path.isdir(os.path.join(out, "replay")) else ""
     if w.triggered is not None:
