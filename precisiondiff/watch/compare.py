@@ -41,6 +41,7 @@ import torch
 
 from ..comparators.ulp import float_format
 from ..errors import PrecisionDiffError
+from .layouts import global_log
 from .log import FIELDS, WatchLog, read_logs
 
 __all__ = ["DEFAULTS", "StepJudge", "WatchComparison", "compare_logs", "tensor_error"]
@@ -318,6 +319,14 @@ def _compare_pair(la: WatchLog, lb: WatchLog, lc: Optional[WatchLog]) -> Dict[st
             "step_numbers": steps}
 
 
+def _same_layout(x: Dict[int, WatchLog], y: Dict[int, WatchLog]) -> bool:
+    """Same ranks, and each rank's model the same (shapes included): compared rank by rank. Two
+    single-process logs always are (their models must match shapes and all)."""
+    if len(x) == 1 and len(y) == 1:
+        return True
+    return set(x) == set(y) and all(x[r].signature == y[r].signature for r in x)
+
+
 def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
                  noise: "str | os.PathLike | None" = None) -> WatchComparison:
     """Compare watch log A (the run under test) with B (the reference), optionally with a noise run.
@@ -330,8 +339,10 @@ def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
         A :class:`WatchComparison`: ``first_divergence`` (step, key, scope, tensor, error,
         threshold), ``per_step``, ``growth`` (error by depth at that step), ``errors``, notes.
 
+    Logs of different rank counts or layouts are compared on global statistics (:mod:`.layouts`).
+
     Raises:
-        PrecisionDiffError: not watch logs, logs of different models or rank counts.
+        PrecisionDiffError: not watch logs, or logs of different models.
 
     Example:
         >>> c = compare_logs("runs/w-bf16", "runs/w-fp64", noise="runs/w-bf16-seed1")
@@ -339,17 +350,26 @@ def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
     """
     logs_a, logs_b = read_logs(a), read_logs(b)
     logs_c = read_logs(noise) if noise is not None else None
+    sides = [logs_a, logs_b] + ([logs_c] if logs_c is not None else [])
+    layout_notes: List[str] = []
+    if not all(_same_layout(logs_a, logs) for logs in sides[1:]):
+        # other rank counts or layouts: each job's ranks as one log of global statistics (layouts.py)
+        sides = [{0: global_log(logs)} for logs in sides]
+        layout_notes.append("the runs' layouts differ (ranks " + " / ".join(str(len(x)) for x in
+                            ([logs_a, logs_b] + ([logs_c] if logs_c else []))) + "): compared on global "
+                            "statistics, the ranks' shards combined (norms by root sum of squares, means by "
+                            "element count); parameter shapes are per shard and not compared")
+    logs_a, logs_b = sides[0], sides[1]
+    logs_c = sides[2] if logs_c is not None else None
     for other, logs in (("B", logs_b), ("the noise run", logs_c)):
         if logs is None:
             continue
-        if set(logs) != set(logs_a):
-            raise PrecisionDiffError(f"A has ranks {sorted(logs_a)} and {other} has {sorted(logs)}: compare "
-                                     "watch logs of the same rank count")
         for rank, lg in logs.items():
             if lg.signature != logs_a[rank].signature:
                 raise PrecisionDiffError(f"{logs_a[rank].path} and {lg.path} are watch logs of different models "
                                          "(their parameters' names or shapes differ)")
     ranks = [_compare_pair(logs_a[r], logs_b[r], logs_c[r] if logs_c else None) for r in sorted(logs_a)]
+    ranks[0]["notes"] = layout_notes + ranks[0]["notes"]
     firsts = [r["first_divergence"] | {"rank": r["rank"]} for r in ranks if r["first_divergence"]]
     first = min(firsts, key=lambda f: (f["step"], f["rank"])) if firsts else None
     top = dict(ranks[0])

@@ -70,6 +70,22 @@ def layer_modules(root: nn.Module, prefix: str = "") -> Dict[nn.Module, str]:
     return out
 
 
+# framework wrappers that keep the model as .module (DDP, DeepSpeed, Megatron) or ._orig_mod
+# (torch.compile): watch sees through them, so a wrapped job's log has the bare model's paths
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "Float16Module", "DeepSpeedEngine", "OptimizedModule")
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside framework wrappers (``_WRAPPERS``), or ``module`` itself."""
+    while type(module).__name__ in _WRAPPERS:
+        inner = getattr(module, "_orig_mod", None) if type(module).__name__ == "OptimizedModule" \
+            else getattr(module, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        module = inner
+    return module
+
+
 def _norms(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """L2 norms of ``tensors`` as 0-d tensors on their devices: one ``_foreach_norm`` per (device,
     dtype), accumulated in float64 for float64 tensors and float32 otherwise."""
@@ -94,7 +110,7 @@ class _Pending:
 
     __slots__ = ("step", "keys", "batch", "scalars", "copies", "dtypes")
 
-    def __init__(self, step: int, keys: List[Tuple[str, int]], batch: StatsBatch,
+    def __init__(self, step: int, keys: List[Tuple[str, int, int]], batch: StatsBatch,
                  scalars: List[Tuple[str, str]], copies: list, dtypes: Optional[dict]) -> None:
         self.step, self.keys, self.batch, self.scalars, self.copies, self.dtypes = \
             step, keys, batch, scalars, copies, dtypes
@@ -114,8 +130,8 @@ class _Pending:
             else:
                 params.setdefault(name, {})[what] = value
         tensors = {}
-        for key, handle in self.keys:
-            s = self.batch.get(handle)
+        for key, handle, numel in self.keys:
+            s = {**self.batch.get(handle), "numel": numel}  # numel: ranks' statistics combine by it (layouts.py)
             tensors[key] = [s[f] for f in FIELDS]
         record["tensors"] = tensors
         record["params"] = params
@@ -287,6 +303,13 @@ class Watch:
         return self.level == "all" or module in layers
 
     def _name_tree(self, root: nn.Module, prefix: str) -> None:
+        inner = unwrapped(root)
+        if inner is not root:
+            for name, module in root.named_modules():  # the wrappers themselves are not watched
+                if module is inner:
+                    break
+                self._named[module] = f"(wrapper){name}"
+            root = inner
         layers = layer_modules(root, prefix)
         for name, module in root.named_modules():
             if module in self._named:
@@ -308,7 +331,7 @@ class Watch:
         try:
             prefix = "" if self._roots == 0 else f"{type(module).__name__}_{self._roots}"
             self._roots += 1
-            self._root_refs.append((weakref.ref(module), prefix))
+            self._root_refs.append((weakref.ref(unwrapped(module)), prefix))
             self._name_tree(module, prefix)
         except Exception as err:  # noqa: BLE001
             self._fail(err)
@@ -318,7 +341,7 @@ class Watch:
         self._on = (self.step_index % self.every == 0) and not self.errors and not self._closed
         self._params_full = self._on and (self.step_index // self.every) % self.param_every == 0
         self._batch = StatsBatch() if self._on else None
-        self._keys: List[Tuple[str, int]] = []
+        self._keys: List[Tuple[str, int, int]] = []
         self._dtypes: Dict[str, str] = {}
         self._calls: Dict[str, int] = {}
         self._scalars: List[Tuple[str, str, torch.Tensor]] = []
@@ -329,7 +352,7 @@ class Watch:
 
     def _add(self, key: str, t: torch.Tensor) -> None:
         with torch.no_grad():
-            self._keys.append((key, self._batch.add(t.detach())))
+            self._keys.append((key, self._batch.add(t.detach()), t.numel()))
         self._dtypes.setdefault(key, str(t.dtype).replace("torch.", ""))
 
     def _fwd_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -611,7 +634,7 @@ class Watch:
 
     def _signature(self) -> Dict[str, Any]:
         model = self._model() if self._model is not None else None
-        roots = [(model, "")] if model is not None else [(ref(), prefix) for ref, prefix in self._root_refs]
+        roots = [(unwrapped(model), "")] if model is not None else [(ref(), prefix) for ref, prefix in self._root_refs]
         named = [(f"{prefix}.{name}" if prefix else name, p) for root, prefix in roots if root is not None
                  for name, p in root.named_parameters()]
         params = [[name, list(p.shape)] for name, p in named]
