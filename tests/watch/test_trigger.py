@@ -161,3 +161,15 @@ def test_bad_references_are_one_line_and_exit_2(tmp_path):
     with pytest.raises(PrecisionDiffError, match="another model"):
         with precisiondiff.watch(tmp_path / "api", model=model, optimizer=opt, ref=str(other)):
             pass
+
+
+def test_bisect_of_a_dump_without_the_optimizer_is_one_line_and_exit_2(tmp_path, capsys):
+    from precisiondiff.cli.app import main
+    model = torch.nn.Linear(8, 4)
+    with precisiondiff.capture(tmp_path / "d", model=model, mode="replay") as cap:
+        model(torch.randn(2, 8)).sum().backward()
+        cap.step()
+    with pytest.raises(SystemExit) as exit_:
+        main(["bisect", str(tmp_path / "d"), "--direction", "optimizer"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "holds no optimizer events" in err
