@@ -35,3 +35,22 @@ def test_the_callback_watches_each_optimizer_step_with_its_mean_loss(tmp_path):
     assert log.complete and [r["loss"] for r in log.steps] == pytest.approx(means, rel=1e-6)
     assert "blocks.0:output#1" not in log.steps[0]["tensors"] and "blocks.0#1:output" in log.steps[0]["tensors"]
     assert torch.autograd.backward.__module__ == "torch.autograd"  # restored
+
+
+def test_the_callback_with_a_reference_captures_the_step_after_the_first_divergence(tmp_path):
+    import precisiondiff
+    from precisiondiff.watch.hf import watch_callback
+    train.train(4, watch_dir=str(tmp_path / "ref"), gelu_op=True)
+    model, opt, tokens = train.build(gelu_op=True)
+    callback = watch_callback(tmp_path / "dut", ref=str(tmp_path / "ref"))
+    callback.on_train_begin(None, None, None, model=model, optimizer=opt)
+    try:
+        for step in range(4):
+            train.BROKEN["on"] = step >= 2
+            train.train_step(model, opt, tokens)
+            callback.on_step_end(None, None, None)
+    finally:
+        train.BROKEN["on"] = False
+    callback.on_train_end(None, None, None)
+    assert any(n.startswith("trigger at step 2 (ref: ") for n in read_logs(tmp_path / "dut")[0].notes)
+    assert {e.step for e in precisiondiff.load(tmp_path / "dut" / "replay").events()} == {3}
