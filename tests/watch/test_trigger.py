@@ -19,14 +19,9 @@ from precisiondiff.watch.trigger import AnomalyRule
 
 from . import train
 from ..bisect.planted_optim import VendorAdamW
+from .test_replay import HERE, ROOT, _culprit
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 GELU = ("blocks.1.mlp", "pdwatch.fused_gelu.default")
-
-
-def _culprit(r):
-    return (r.culprit["scope"], r.culprit["name"]) if r.culprit else None
 
 
 def _trigger_notes(out):
