@@ -110,6 +110,13 @@ def test_on_anomaly_captures_the_step_after_a_nan(tmp_path):
     assert {e.step for e in precisiondiff.load(tmp_path / "replay").events()} == {3}
 
 
+def test_watch_script_on_anomaly(tmp_path):
+    run = _cli("-o", str(tmp_path), "--on-anomaly", "--", "--steps", "4", "--broken-from", "2", "--broken-scale", "nan")
+    assert run.returncode == 0, run.stderr
+    assert "step 2 crossed (nan: " in run.stdout and "step 3 captured in replay mode" in run.stdout, run.stdout
+    assert {e.step for e in precisiondiff.load(tmp_path / "replay").events()} == {3}
+
+
 def _record(step, loss, grads=(1.0,), nan=0, inf=0):
     return {"step": step, "loss": loss, "params": {f"p{i}": {"grad": g, "weight": 1.0} for i, g in enumerate(grads)},
             "tensors": {"a:output": [-1.0, 1.0, 0.0, 0.5, 2.0, nan, inf, "f"]}}

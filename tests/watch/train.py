@@ -131,10 +131,12 @@ def main(argv=None) -> None:
     parser.add_argument("--perturb", action="store_true")
     parser.add_argument("--fused-norm", action="store_true")
     parser.add_argument("--broken-from", type=int, default=None, help="pdwatch::fused_gelu goes wrong from this step")
+    parser.add_argument("--broken-scale", type=float, default=1.125, help="what it then scales its output by")
     args = parser.parse_args(argv)
     model, opt, tokens = build(dtype=getattr(torch, args.dtype), planted_step=args.planted_step,
                                planted_layer=args.planted_layer, layers=args.layers, perturb=args.perturb,
                                fused_norm=args.fused_norm, gelu_op=args.broken_from is not None)
+    BROKEN["scale"] = args.broken_scale
     for step in range(args.steps):
         BROKEN["on"] = args.broken_from is not None and step >= args.broken_from
         if args.kill_after is not None and step == args.kill_after:
