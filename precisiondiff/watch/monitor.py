@@ -210,7 +210,8 @@ class Watch:
             if replay_steps:
                 raise PrecisionDiffError("give --replay-steps or a trigger (--ref, --on-anomaly), not both: "
                                          "each captures into OUT/replay")
-            self._triggers = Triggers(ref=ref, ref_noise=ref_noise, on_anomaly=on_anomaly, rank=self.rank)
+            self._triggers = Triggers(ref=ref, ref_noise=ref_noise, on_anomaly=on_anomaly, rank=self.rank,
+                                      world=self.world_size)
         self.triggered: Optional[Dict[str, Any]] = None  # the trigger's hit: the step, the rule, the reason
         self.trigger_error: Optional[str] = None  # why the trigger stopped (it judges no more steps)
         self.trigger_refused = False  # because the reference was refused once the run had started
@@ -246,7 +247,7 @@ class Watch:
         if self._triggers is not None:
             ReplayWindow(os.path.join(self.out, "replay"), frozenset({0}), {}).check()
             if model is not None and self._triggers.ref is not None:  # a user error before the training starts
-                self._triggers.ref.check_model(self._signature()["signature"])
+                self._triggers.ref.check_model(self._signature())
                 self._model_checked = True
         if model is not None:
             self._name_tree(model, "")
@@ -597,7 +598,7 @@ class Watch:
     def _judge(self, record: Dict[str, Any]) -> None:
         try:
             if self._triggers.ref is not None and not self._model_checked:
-                self._triggers.ref.check_model(self._header["model"]["signature"])  # a script's model is known now
+                self._triggers.ref.check_model(self._header["model"])  # a script's model is known now
                 self._model_checked = True
             hit = self._triggers.judge(self._header, record)
         except Exception as err:  # noqa: BLE001 - a refused reference or the rule's own error: the run goes on

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import PrecisionDiffError
 from .compare import StepJudge, _quantities, _spiked
+from .layouts import global_log, names_signature
 from .log import FIELDS, WatchLog, read_logs
 
 __all__ = ["ANOMALY", "AnomalyRule", "RefRule", "Triggers"]
@@ -42,34 +43,45 @@ class RefRule:
     Args:
         ref: the reference log directory (``precisiondiff watch -o``).
         noise: a noise run's log (its error against ``ref`` is the band), or None.
-        rank: this process's rank (the reference's ``rank{N}/`` log of that rank is used).
+        rank, world: this process's rank and the job's rank count: the reference's ``rank{N}/``
+            log of that rank is used when it has as many ranks; a single process judged against a
+            multi-rank reference uses its global statistics (:mod:`.layouts`).
 
     Raises:
-        PrecisionDiffError: not a watch log, or no log of that rank.
+        PrecisionDiffError: not a watch log, or a reference of another rank count.
     """
 
-    def __init__(self, ref: "str | os.PathLike", noise: "str | os.PathLike | None", rank: int) -> None:
-        self.ref = self._rank_log(ref, rank, "--ref")
-        self.noise = self._rank_log(noise, rank, "--ref-noise") if noise is not None else None
-        if self.noise is not None and self.noise.signature != self.ref.signature:
+    def __init__(self, ref: "str | os.PathLike", noise: "str | os.PathLike | None", rank: int, world: int = 1) -> None:
+        self.by_names = False  # the model is then identified by its parameters' names (shards' shapes differ)
+        self.ref = self._rank_log(ref, rank, world, "--ref")
+        self.noise = self._rank_log(noise, rank, world, "--ref-noise") if noise is not None else None
+        if self.noise is not None and self._identity(self.noise) != self._identity(self.ref):
             raise PrecisionDiffError(f"{self.noise.path} and {self.ref.path} are watch logs of different models")
         self._ref_steps = self.ref.by_step()
         self._noise_steps = self.noise.by_step() if self.noise is not None else {}
         self._judge: Optional[StepJudge] = None
 
-    @staticmethod
-    def _rank_log(path: "str | os.PathLike", rank: int, option: str) -> WatchLog:
+    def _rank_log(self, path: "str | os.PathLike", rank: int, world: int, option: str) -> WatchLog:
         logs = read_logs(path)
-        if rank in logs:
-            return logs[rank]
-        if len(logs) == 1:
+        if len(logs) == 1 and world == 1:
             return next(iter(logs.values()))
-        raise PrecisionDiffError(f"{option} {os.fspath(path)} has no log of rank {rank} (it has ranks "
-                                 f"{sorted(logs)}): give a reference of the same rank count")
+        if len(logs) == world and rank in logs:
+            return logs[rank]
+        if world == 1:
+            self.by_names = True
+            return global_log(logs)
+        raise PrecisionDiffError(f"{option} {os.fspath(path)} has {len(logs)} rank(s) and this job {world}: a rank "
+                                 "sees only its shard, so judge it against a reference of the same rank count "
+                                 "(or compare the finished logs, on global statistics)")
 
-    def check_model(self, signature: str) -> None:
-        """Refuse a reference of another model (its parameters' names or shapes differ)."""
-        if signature != self.ref.signature:
+    def _identity(self, log: WatchLog) -> str:
+        return names_signature(log.header) if self.by_names else log.signature
+
+    def check_model(self, model: Dict[str, Any]) -> None:
+        """Refuse a reference of another model (its parameters' names or shapes differ); ``model``
+        is a log header's ``model`` field."""
+        signature = names_signature({"model": model}) if self.by_names else model.get("signature")
+        if signature != self._identity(self.ref):
             raise PrecisionDiffError(f"--ref {self.ref.path} is a watch log of another model (its parameters' "
                                      "names or shapes differ from this run's)")
 
@@ -160,14 +172,14 @@ class Triggers:
     Args:
         ref, ref_noise: ``--ref`` and ``--ref-noise`` log directories (or None).
         on_anomaly: also the :class:`AnomalyRule`.
-        rank: this process's rank.
+        rank, world: this process's rank and the job's rank count.
     """
 
     def __init__(self, *, ref: "str | os.PathLike | None", ref_noise: "str | os.PathLike | None",
-                 on_anomaly: bool, rank: int) -> None:
+                 on_anomaly: bool, rank: int, world: int = 1) -> None:
         if ref_noise is not None and ref is None:
             raise PrecisionDiffError("--ref-noise goes with --ref WATCH_REF")
-        self.ref = RefRule(ref, ref_noise, rank) if ref is not None else None
+        self.ref = RefRule(ref, ref_noise, rank, world) if ref is not None else None
         self.rules: List[Any] = ([self.ref] if self.ref is not None else []) + ([AnomalyRule()] if on_anomaly else [])
         self.hit: Optional[Dict[str, Any]] = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -57,12 +58,18 @@ def test_sharded_parameter_norms_and_update_ratio_combine():
     assert combined["grad"] == 1.0  # equal on every rank: replicated
 
 
+def _free_port() -> int:
+    with socket.socket() as s:  # other jobs on this machine rendezvous too: never a fixed port
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _ddp(out, *args):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(29500 + os.getpid() % 400), "-m", "precisiondiff.cli", "watch",
-                           "--script", os.path.join(HERE, "train_ddp.py"), "-o", str(out), "--", "--steps", "4",
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "precisiondiff.cli",
+                           "watch", "--script", os.path.join(HERE, "train_ddp.py"), "-o", str(out), "--", "--steps", "4",
                            "--dtype", "float32", *args],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
 
 
 def test_a_two_rank_ddp_job_compares_with_one_process(tmp_path):
@@ -82,3 +89,15 @@ def test_a_two_rank_ddp_job_compares_with_one_process(tmp_path):
     # one rank alone is half the batch: far from the whole
     alone = compare_logs(tmp_path / "ddp" / "rank0", one, noise=noise).first_divergence
     assert alone is not None and alone["step"] == 0
+
+
+def test_one_process_judged_live_against_a_ddp_reference(tmp_path):
+    """watch --ref of a 2-rank job's log: a single process is judged against its global statistics."""
+    run = _ddp(tmp_path / "ddp")
+    assert run.returncode == 0, run.stderr[-2000:]
+    train.train(4, watch_dir=str(tmp_path / "noise"), gelu_op=True, perturb=True)
+    train.train(4, watch_dir=str(tmp_path / "dut"), gelu_op=True, broken_from=2,
+                watch_options={"ref": str(tmp_path / "ddp"), "ref_noise": str(tmp_path / "noise")})
+    from precisiondiff.watch import read_logs
+    notes = [n for n in read_logs(tmp_path / "dut")[0].notes if n.startswith("trigger")]
+    assert len(notes) == 1 and notes[0].startswith("trigger at step 2 (ref: blocks.1"), notes
