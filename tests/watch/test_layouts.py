@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -58,18 +57,14 @@ def test_sharded_parameter_norms_and_update_ratio_combine():
     assert combined["grad"] == 1.0  # equal on every rank: replicated
 
 
-def _free_port() -> int:
-    with socket.socket() as s:  # other jobs on this machine rendezvous too: never a fixed port
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp(out, *args):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "precisiondiff.cli",
-                           "watch", "--script", os.path.join(HERE, "train_ddp.py"), "-o", str(out), "--", "--steps", "4",
-                           "--dtype", "float32", *args],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    # --standalone: a rendezvous on a free local port (other jobs on this machine use ports too);
+    # gloo on the loopback interface
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "precisiondiff.cli", "watch", "--script", os.path.join(HERE, "train_ddp.py"),
+                           "-o", str(out), "--", "--steps", "4", "--dtype", "float32", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"})
 
 
 def test_a_two_rank_ddp_job_compares_with_one_process(tmp_path):
