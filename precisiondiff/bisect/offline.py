@@ -190,6 +190,10 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if prepare is not None:
         every = prepare(every)
     events = [e for e in every if e.step == every[0].step] if every else every
+    if direction == "optimizer" and not any(e.direction == "optimizer" for e in every):
+        raise BisectError(f"{dut_dump} holds no optimizer events: its steps were captured without "
+                          "optimizer.step() (capture training steps: a Workload with optimizer=, "
+                          "capture --script, or watch --replay-steps/--ref)")
     notes: List[str] = [ref_note] if ref_note else []
     if not meta.get("arg_layouts"):
         notes.append("the dump records no argument layouts (captured before they were recorded): ops replay "

@@ -164,15 +164,19 @@ def compare(ctx, a, b, fmt, out, only_failing, top, jobs, scope, op, direction, 
     ctx.exit(c.exit_code)
 
 
-def _compare_watch(a: str, b: str, fmt: str, out: Optional[str], noise: Optional[str]) -> int:
-    """``compare`` of two watch logs (docs/watch.md); returns the exit code."""
+def _watch_comparison(a: str, b: str, noise: Optional[str]):
     from ..watch.log import is_watch_log
     for path in (a, b):
         if not is_watch_log(path):
             raise PrecisionDiffError(f"{path} is not a watch log while the other is: compare two watch logs "
                                      "(precisiondiff watch -o DIR) or two dumps")
     from ..watch.compare import compare_logs
-    c = compare_logs(a, b, noise=noise)
+    return compare_logs(a, b, noise=noise)
+
+
+def _compare_watch(a: str, b: str, fmt: str, out: Optional[str], noise: Optional[str]) -> int:
+    """``compare`` of two watch logs (docs/watch.md); returns the exit code."""
+    c = _watch_comparison(a, b, noise)
     if fmt == "json":
         from ..watch.render import to_json
         _write(to_json(c), out)
@@ -201,12 +205,31 @@ def report(ctx, a, b, out, worst, scope, op, direction, kind, inputs, device, no
     and/or TensorBoard event files (--tensorboard) and a Model Explorer overlay (--model-explorer)."""
     if out is None and tensorboard_dir is None and explorer_out is None:
         raise click.UsageError("report needs -o FILE.html, --tensorboard DIR or --model-explorer FILE.json")
+    from ..watch.log import is_watch_log
+    if is_watch_log(a) or is_watch_log(b):
+        if explorer_out is not None:
+            raise PrecisionDiffError("--model-explorer needs two dumps; for watch logs use -o FILE.html or --tensorboard DIR")
+        ctx.exit(_report_watch(a, b, out, noise, tensorboard_dir))
     c = _run_compare(a, b, scope, op, direction, kind, inputs, device, noise, rel_l2, progress)
     if out is not None:
         from ..report.html import render_html
         _write(render_html(c, worst=worst, device=device), out)
     _write_integrations(c, tensorboard_dir, explorer_out, workload, bisect_json)
     ctx.exit(c.exit_code)
+
+
+def _report_watch(a: str, b: str, out: Optional[str], noise: Optional[str], tensorboard_dir: Optional[str]) -> int:
+    """``report`` of two watch logs: the HTML page and/or TensorBoard scalars; the exit code."""
+    c = _watch_comparison(a, b, noise)
+    if out is not None:
+        from ..watch.render import render_html
+        _write(render_html(c), out)
+    if tensorboard_dir is not None:
+        from ..report.tensorboard import write_watch_tensorboard
+        n = write_watch_tensorboard(c.to_dict(), tensorboard_dir)
+        click.echo(f"wrote {n['scalars']} scalars (both losses, {n['layers']} layers' errors) over {n['steps']} "
+                   f"steps to {tensorboard_dir} (tensorboard --logdir {tensorboard_dir})", err=True)
+    return c.exit_code
 
 
 def _write_integrations(c, tensorboard_dir, explorer_out, workload, bisect_json) -> None:

@@ -21,11 +21,19 @@ __all__ = ["watch"]
 @click.option("--replay-steps", "replay_steps", default=None, metavar="STEPS",
               help="also capture these steps (e.g. 1200,1201) in replay mode into OUT/replay, for "
                    "'precisiondiff bisect OUT/replay'")
-def watch(argv, script, out, level, modules, every, param_every, seed, overwrite, replay_steps) -> None:
+@click.option("--ref", default=None, type=click.Path(), metavar="WATCH_REF",
+              help="a reference watch log (e.g. the GPU or float64 run): each step is compared with its same step "
+                   "as compare does, and the step after the first that crosses is captured in replay mode into OUT/replay")
+@click.option("--ref-noise", "ref_noise", default=None, type=click.Path(), metavar="WATCH_C",
+              help="with --ref: a noise run's log (the reference's run again with another seed) that gives the band")
+@click.option("--on-anomaly", "on_anomaly", is_flag=True,
+              help="capture the step after the first NaN/Inf, loss spike or gradient norm jump the same way")
+def watch(argv, script, out, level, modules, every, param_every, seed, overwrite, replay_steps, ref, ref_noise,
+          on_anomaly) -> None:
     """Watch a training script: per step, statistics of every layer's output and gradient, every
     parameter's weight, gradient, optimizer state and update ratio, and the loss, into OUT.
     Compare two runs with 'precisiondiff compare WATCH_A WATCH_B'."""
     from ..watch.runner import watch_script
     click.echo(watch_script(script, list(argv), out, level=level, modules=modules, every=every,
                             param_every=param_every, seed=seed, overwrite=overwrite,
-                            replay_steps=replay_steps))
+                            replay_steps=replay_steps, ref=ref, ref_noise=ref_noise, on_anomaly=on_anomaly))

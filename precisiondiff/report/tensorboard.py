@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import PrecisionDiffError
 
-__all__ = ["write_tensorboard", "layer_rows"]
+__all__ = ["write_tensorboard", "write_watch_tensorboard", "layer_rows"]
 
 _OUTPUT_SLOT = {"forward": "output.0", "backward": "grad_input.0"}
 
@@ -129,4 +129,57 @@ def write_tensorboard(comparison: Any, logdir: "str | Path", *, ulp_histograms: 
         if dumps is not None:
             for d in dumps:
                 d.close()
+    return counts
+
+
+def _watch_tag(key: str) -> str:
+    scope, _, tensor = key.rpartition(":")
+    return f"error/{tensor}/{scope or '<root>'}"
+
+
+def write_watch_tensorboard(comparison: Dict[str, Any], logdir: "str | Path") -> Dict[str, int]:
+    """Write a comparison of two watch logs (its JSON report: ``WatchComparison.to_dict()``) as
+    TensorBoard scalars over the runs' steps.
+
+    Tags: ``loss/A`` and ``loss/B`` (the two loss curves), ``loss/relative_error``;
+    ``error/output/<scope>``, ``error/grad_output/<scope>``... (each watched layer's relative
+    error: the step × layer heat map); ``summary/max_error``, ``summary/over_threshold`` per step
+    and ``summary/first_divergence_step`` once.
+
+    Returns:
+        ``{"steps", "layers", "scalars"}``: what was written.
+
+    Raises:
+        PrecisionDiffError: tensorboard is not installed, or ``logdir`` cannot be written.
+    """
+    SummaryWriter = _require_writer()
+    try:
+        Path(logdir).mkdir(parents=True, exist_ok=True)
+        writer = SummaryWriter(log_dir=str(logdir))
+    except OSError as err:
+        raise PrecisionDiffError(f"cannot write TensorBoard files to {logdir}: {err.strerror or err}") from err
+    layers = [k for k in comparison["errors"] if ":" in k and k.rpartition(":")[2].startswith(("output", "grad_"))]
+    counts = {"steps": len(comparison["per_step"]), "layers": len(layers), "scalars": 0}
+
+    def add(tag: str, value: Any, step: int) -> None:
+        if _finite(value):
+            writer.add_scalar(tag, float(value), global_step=step)
+            counts["scalars"] += 1
+
+    try:
+        for e in comparison["per_step"]:
+            s = e["step"]
+            add("loss/A", e["loss_a"], s)
+            add("loss/B", e["loss_b"], s)
+            add("loss/relative_error", e["loss_error"], s)
+            add("summary/max_error", e["max_error"], s)
+            add("summary/over_threshold", e["diverged"], s)
+        for key in layers:
+            for s, value in zip(comparison["step_numbers"], comparison["errors"][key]):
+                add(_watch_tag(key), value, s)
+        first = comparison.get("first_divergence")
+        if first is not None:
+            add("summary/first_divergence_step", first["step"], first["step"])
+    finally:
+        writer.close()
     return counts

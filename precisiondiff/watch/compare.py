@@ -41,10 +41,10 @@ import torch
 
 from ..comparators.ulp import float_format
 from ..errors import PrecisionDiffError
+from .layouts import global_log
 from .log import FIELDS, WatchLog, read_logs
-from .shards import combine_ranks
 
-__all__ = ["DEFAULTS", "WatchComparison", "compare_logs", "tensor_error"]
+__all__ = ["DEFAULTS", "StepJudge", "WatchComparison", "compare_logs", "tensor_error"]
 
 DEFAULTS = {
     "loss_rel": 0.01,        # msprobe train_debug_guide: loss misaligned above 1% relative error
@@ -204,6 +204,79 @@ def _spiked(prev: Optional[float], cur: Optional[float]) -> bool:
     return not math.isfinite(cur) or abs(cur) > DEFAULTS["spike_factor"] * max(abs(prev), _TINY)
 
 
+class StepJudge:
+    """Judges two runs one step at a time by the rules above (errors, thresholds, spikes).
+
+    Shared by :func:`compare_logs` (over two finished logs) and ``watch --ref`` (each step of the
+    running job against the reference's same step, as it completes).
+
+    Args:
+        quantities: what is compared (:func:`_quantities`), in execution order.
+        noise: whether a noise run gives the band (else the static thresholds apply).
+        keep: keep every step's error and band per quantity (the report's heat map); a running
+            job keeps only the band's running maximum.
+    """
+
+    def __init__(self, quantities: List[_Quantity], *, noise: bool, keep: bool = True) -> None:
+        self.quantities, self.noise, self.keep = quantities, noise, keep
+        self.floor = DEFAULTS["noise_floor_u"] * max((q.eps for q in quantities), default=2.0 ** -23) / 2
+        self._band: Dict[str, float] = {}
+        self._prev_a: Dict[str, Optional[float]] = {}
+        self._prev_b: Dict[str, Optional[float]] = {}
+
+    def threshold(self, q: _Quantity) -> float:
+        """The quantity's threshold at the last judged step."""
+        if self.noise:
+            return max(DEFAULTS["noise_margin"] * self._band.get(q.key, 0.0), self.floor)
+        return q.static
+
+    def judge(self, s: int, ra: Dict[str, Any], rb: Dict[str, Any], rc: Optional[Dict[str, Any]] = None
+              ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+        """Step ``s``: A's record ``ra`` against B's ``rb`` (``rc``: the noise run's, if any).
+
+        Returns:
+            The step's summary (``step``, both losses, ``loss_error``, ``max_error``, ``worst``,
+            ``diverged``: how many quantities crossed, ``bitwise``) and, when one crossed, the
+            first in execution order (``step``, ``key``, ``scope``, ``tensor``, ``error``,
+            ``threshold``, ``reason``: ``error`` or ``spike``, ``depth``, ``crossed``), else None.
+        """
+        crossed = []
+        worst, worst_key, bitwise = 0.0, None, True
+        for q in self.quantities:
+            err = _value_errors(q, ra, rb)
+            if err is None:
+                continue
+            if self.keep:
+                q.errors[s] = err
+            bitwise = bitwise and err == 0.0
+            if self.noise:
+                noise = _value_errors(q, rc, rb) if rc is not None else None
+                band = max(self._band.get(q.key, 0.0), noise if noise is not None and not math.isnan(noise) else 0.0)
+                self._band[q.key] = band
+                if self.keep:
+                    q.band[s] = band
+            threshold = self.threshold(q)
+            reason = "error" if err > threshold else None
+            va, vb = _scalar(q, ra), _scalar(q, rb)
+            if reason is None and _spiked(self._prev_a.get(q.key), va) != _spiked(self._prev_b.get(q.key), vb):
+                reason = "spike"
+            self._prev_a[q.key], self._prev_b[q.key] = va, vb
+            if err > worst or worst_key is None:
+                worst, worst_key = err, q.key
+            if reason is not None:
+                crossed.append((q, err, threshold, reason))
+        entry = {"step": s, "loss_a": ra.get("loss"), "loss_b": rb.get("loss"),
+                 "loss_error": next((_value_errors(q, ra, rb) for q in self.quantities if q.key == "loss"), None),
+                 "max_error": worst, "worst": worst_key, "diverged": len(crossed), "bitwise": bitwise}
+        if not crossed:
+            return entry, None
+        crossed.sort(key=lambda c: c[0].order)
+        q, err, threshold, reason = crossed[0]
+        return entry, {"step": s, "key": q.key, "scope": q.scope, "tensor": q.tensor, "error": err,
+                       "threshold": threshold, "reason": reason, "depth": q.depth,
+                       "crossed": [c[0].key for c in crossed][:20]}
+
+
 def _compare_pair(la: WatchLog, lb: WatchLog, lc: Optional[WatchLog]) -> Dict[str, Any]:
     sa, sb = la.by_step(), lb.by_step()
     steps = sorted(set(sa) & set(sb))
@@ -212,47 +285,15 @@ def _compare_pair(la: WatchLog, lb: WatchLog, lc: Optional[WatchLog]) -> Dict[st
         raise PrecisionDiffError(f"{la.path} and {lb.path} share no watched step: watch both runs with the same --every")
     quantities = _quantities(la, lb, steps)
     sc = lc.by_step() if lc is not None else {}
-    floor = DEFAULTS["noise_floor_u"] * max((q.eps for q in quantities), default=2.0 ** -23) / 2
+    judge = StepJudge(quantities, noise=lc is not None)
+    floor = judge.floor
     first: Optional[Dict[str, Any]] = None
     per_step = []
-    prev_a: Dict[str, Optional[float]] = {}
-    prev_b: Dict[str, Optional[float]] = {}
     for s in steps:
-        ra, rb = sa[s], sb[s]
-        rc = sc.get(s)
-        crossed = []
-        worst, worst_key, bitwise = 0.0, None, True
-        for q in quantities:
-            err = _value_errors(q, ra, rb)
-            if err is None:
-                continue
-            q.errors[s] = err
-            bitwise = bitwise and err == 0.0
-            if lc is not None:
-                noise = _value_errors(q, rc, rb) if rc is not None else None
-                previous = max(q.band.values()) if q.band else 0.0
-                q.band[s] = max(previous, noise if noise is not None and not math.isnan(noise) else 0.0)
-                threshold = max(DEFAULTS["noise_margin"] * q.band[s], floor)
-            else:
-                threshold = q.static
-            reason = "error" if err > threshold else None
-            va, vb = _scalar(q, ra), _scalar(q, rb)
-            if reason is None and _spiked(prev_a.get(q.key), va) != _spiked(prev_b.get(q.key), vb):
-                reason = "spike"
-            prev_a[q.key], prev_b[q.key] = va, vb
-            if err > worst or worst_key is None:
-                worst, worst_key = err, q.key
-            if reason is not None:
-                crossed.append((q, err, threshold, reason))
-        entry = {"step": s, "loss_a": ra.get("loss"), "loss_b": rb.get("loss"),
-                 "loss_error": next((q.errors.get(s) for q in quantities if q.key == "loss"), None),
-                 "max_error": worst, "worst": worst_key, "diverged": len(crossed), "bitwise": bitwise}
+        entry, crossed = judge.judge(s, sa[s], sb[s], sc.get(s))
         per_step.append(entry)
-        if crossed and first is None:
-            q, err, threshold, reason = min(crossed, key=lambda c: c[0].order)
-            first = {"step": s, "key": q.key, "scope": q.scope, "tensor": q.tensor, "error": err,
-                     "threshold": threshold, "reason": reason, "depth": q.depth,
-                     "crossed": [c[0].key for c in sorted(crossed, key=lambda c: c[0].order)][:20]}
+        if crossed is not None and first is None:
+            first = crossed
     growth = []
     at = first["step"] if first is not None else (steps[-1] if steps else None)
     for q in quantities:
@@ -278,8 +319,12 @@ def _compare_pair(la: WatchLog, lb: WatchLog, lc: Optional[WatchLog]) -> Dict[st
             "step_numbers": steps}
 
 
-def _one_rank(logs: dict) -> dict:
-    return {0: combine_ranks(logs)} if len(logs) > 1 else logs
+def _same_layout(x: Dict[int, WatchLog], y: Dict[int, WatchLog]) -> bool:
+    """Same ranks, and each rank's model the same (shapes included): compared rank by rank. Two
+    single-process logs always are (their models must match shapes and all)."""
+    if len(x) == 1 and len(y) == 1:
+        return True
+    return set(x) == set(y) and all(x[r].signature == y[r].signature for r in x)
 
 
 def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
@@ -294,8 +339,10 @@ def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
         A :class:`WatchComparison`: ``first_divergence`` (step, key, scope, tensor, error,
         threshold), ``per_step``, ``growth`` (error by depth at that step), ``errors``, notes.
 
+    Logs of different rank counts or layouts are compared on global statistics (:mod:`.layouts`).
+
     Raises:
-        PrecisionDiffError: not watch logs, logs of different models or rank counts.
+        PrecisionDiffError: not watch logs, or logs of different models.
 
     Example:
         >>> c = compare_logs("runs/w-bf16", "runs/w-fp64", noise="runs/w-bf16-seed1")
@@ -303,20 +350,26 @@ def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
     """
     logs_a, logs_b = read_logs(a), read_logs(b)
     logs_c = read_logs(noise) if noise is not None else None
-    if len(logs_a) != len(logs_b) and 1 in (len(logs_a), len(logs_b)):
-        # a sharded job against one process: its ranks' shard norms combined (shards.py)
-        logs_a, logs_b, logs_c = (_one_rank(x) if x is not None else None for x in (logs_a, logs_b, logs_c))
+    sides = [logs_a, logs_b] + ([logs_c] if logs_c is not None else [])
+    layout_notes: List[str] = []
+    if not all(_same_layout(logs_a, logs) for logs in sides[1:]):
+        # other rank counts or layouts: each job's ranks as one log of global statistics (layouts.py)
+        sides = [{0: global_log(logs)} for logs in sides]
+        layout_notes.append("the runs' layouts differ (ranks " + " / ".join(str(len(x)) for x in
+                            ([logs_a, logs_b] + ([logs_c] if logs_c else []))) + "): compared on global "
+                            "statistics, the ranks' shards combined (norms by root sum of squares, means by "
+                            "element count); parameter shapes are per shard and not compared")
+    logs_a, logs_b = sides[0], sides[1]
+    logs_c = sides[2] if logs_c is not None else None
     for other, logs in (("B", logs_b), ("the noise run", logs_c)):
         if logs is None:
             continue
-        if set(logs) != set(logs_a):
-            raise PrecisionDiffError(f"A has ranks {sorted(logs_a)} and {other} has {sorted(logs)}: compare "
-                                     "watch logs of the same rank count")
         for rank, lg in logs.items():
             if lg.signature != logs_a[rank].signature:
                 raise PrecisionDiffError(f"{logs_a[rank].path} and {lg.path} are watch logs of different models "
                                          "(their parameters' names or shapes differ)")
     ranks = [_compare_pair(logs_a[r], logs_b[r], logs_c[r] if logs_c else None) for r in sorted(logs_a)]
+    ranks[0]["notes"] = layout_notes + ranks[0]["notes"]
     firsts = [r["first_divergence"] | {"rank": r["rank"]} for r in ranks if r["first_divergence"]]
     first = min(firsts, key=lambda f: (f["step"], f["rank"])) if firsts else None
     top = dict(ranks[0])

@@ -24,7 +24,9 @@ def watch_callback(out: "str | os.PathLike", **options: Any) -> Any:
     Args:
         out: the log directory.
         **options: :class:`~precisiondiff.watch.monitor.Watch` options (``level``, ``modules``,
-            ``every``, ``param_every``, ``meta``, ``overwrite``).
+            ``every``, ``param_every``, ``meta``, ``overwrite``, ``replay_steps``, ``ref``,
+            ``ref_noise``, ``on_anomaly``: the step after the first that crosses is captured in
+            replay mode into ``out/replay``, at ``on_step_end``).
 
     Raises:
         PrecisionDiffError: transformers is not installed.

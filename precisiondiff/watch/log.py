@@ -32,8 +32,9 @@ __all__ = ["FORMAT", "VERSION", "LOG_FILE", "FIELDS", "LogWriter", "WatchLog", "
 FORMAT = "precisiondiff-watch"
 VERSION = 1
 LOG_FILE = "watch.jsonl"
-# one tensor's statistics in a step record, in this order (capture/stats.py's fields)
-FIELDS = ("min", "max", "mean", "abs_mean", "norm", "nan", "inf", "fingerprint")
+# one tensor's statistics in a step record, in this order (capture/stats.py's fields, and the
+# element count, by which the statistics of a tensor's shards on several ranks combine)
+FIELDS = ("min", "max", "mean", "abs_mean", "norm", "nan", "inf", "fingerprint", "numel")
 
 
 class LogWriter:

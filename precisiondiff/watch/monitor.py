@@ -43,6 +43,7 @@ from ..errors import PrecisionDiffError
 from .log import FIELDS, LOG_FILE, LogWriter
 from .replay import ReplayWindow
 from .shards import shard_fields
+from .trigger import Triggers
 
 __all__ = ["Watch", "WatchWarning", "watch", "LEVELS", "layer_modules", "losses_from_backward"]
 
@@ -71,6 +72,22 @@ def layer_modules(root: nn.Module, prefix: str = "") -> Dict[nn.Module, str]:
     return out
 
 
+# framework wrappers that keep the model as .module (DDP, DeepSpeed, Megatron) or ._orig_mod
+# (torch.compile): watch sees through them, so a wrapped job's log has the bare model's paths
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "Float16Module", "DeepSpeedEngine", "OptimizedModule")
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside framework wrappers (``_WRAPPERS``), or ``module`` itself."""
+    while type(module).__name__ in _WRAPPERS:
+        inner = getattr(module, "_orig_mod", None) if type(module).__name__ == "OptimizedModule" \
+            else getattr(module, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        module = inner
+    return module
+
+
 def _norms(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """L2 norms of ``tensors`` as 0-d tensors on their devices: one ``_foreach_norm`` per (device,
     dtype), accumulated in float64 for float64 tensors and float32 otherwise."""
@@ -97,7 +114,7 @@ class _Pending:
 
     __slots__ = ("step", "keys", "batch", "scalars", "copies", "dtypes")
 
-    def __init__(self, step: int, keys: List[Tuple[str, int]], batch: StatsBatch,
+    def __init__(self, step: int, keys: List[Tuple[str, int, int]], batch: StatsBatch,
                  scalars: List[Tuple[str, str]], copies: list, dtypes: Optional[dict]) -> None:
         self.step, self.keys, self.batch, self.scalars, self.copies, self.dtypes = \
             step, keys, batch, scalars, copies, dtypes
@@ -117,8 +134,8 @@ class _Pending:
             else:
                 params.setdefault(name, {})[what] = value
         tensors = {}
-        for key, handle in self.keys:
-            s = self.batch.get(handle)
+        for key, handle, numel in self.keys:
+            s = {**self.batch.get(handle), "numel": numel}  # numel: ranks' statistics combine by it (layouts.py)
             tensors[key] = [s[f] for f in FIELDS]
         record["tensors"] = tensors
         record["params"] = params
@@ -146,6 +163,11 @@ class Watch:
             each ``optimizer.step()`` ends a step and the loss is what ``backward()`` was called on.
         replay_steps: capture these steps (``"5,6"``) in replay mode into ``out/replay`` as the run
             goes (:mod:`.replay`), for ``precisiondiff bisect out/replay``.
+        ref: a reference watch log (``watch --ref``): each watched step is judged against its same
+            step by compare's rule, and the step after the first one that crosses is captured in
+            replay mode into ``out/replay`` (:mod:`.trigger`).
+        ref_noise: a noise run's log for ``ref`` (its error against ``ref`` is the band).
+        on_anomaly: the same capture at the first NaN/Inf, loss spike or gradient norm jump.
 
     Example:
         >>> with precisiondiff.watch("runs/w", model=model, optimizer=opt) as w:
@@ -157,7 +179,9 @@ class Watch:
     def __init__(self, out: "str | os.PathLike", *, model: Optional[nn.Module] = None,
                  optimizer: Any = None, level: str = "default", modules: Optional[str] = None,
                  every: int = 1, param_every: int = 10, meta: Optional[dict] = None,
-                 overwrite: bool = False, global_hooks: bool = False, replay_steps: Optional[str] = None) -> None:
+                 overwrite: bool = False, global_hooks: bool = False, replay_steps: Optional[str] = None,
+                 ref: "str | os.PathLike | None" = None, ref_noise: "str | os.PathLike | None" = None,
+                 on_anomaly: bool = False) -> None:
         if level not in LEVELS:
             raise PrecisionDiffError(f"unknown watch level {level!r}: use one of {', '.join(LEVELS)}")
         if int(every) < 1 or int(param_every) < 1:
@@ -185,6 +209,19 @@ class Watch:
                                          "torch optimizer, or none (weights and gradients are then read at w.step(), "
                                          "before zero_grad)")
         self.rank, self.world_size = rank_and_world()
+        self._triggers: Optional[Triggers] = None
+        if ref is not None or ref_noise is not None or on_anomaly:
+            if replay_steps:
+                raise PrecisionDiffError("give --replay-steps or a trigger (--ref, --on-anomaly), not both: "
+                                         "each captures into OUT/replay")
+            self._triggers = Triggers(ref=ref, ref_noise=ref_noise, on_anomaly=on_anomaly, rank=self.rank,
+                                      world=self.world_size)
+        self.triggered: Optional[Dict[str, Any]] = None  # the trigger's hit: the step, the rule, the reason
+        self.trigger_error: Optional[str] = None  # why the trigger stopped (it judges no more steps)
+        self.trigger_refused = False  # because the reference was refused once the run had started
+        self._replay_in_forward = False  # a triggered window of a script opens at the next module call
+        self._model_checked = False
+        self._header: Dict[str, Any] = {}
         self.step_index = 0
         self.errors: List[str] = []
         self._handles: List[Any] = []
@@ -211,6 +248,11 @@ class Watch:
         model = self._model() if self._model is not None else None
         if self._replay is not None:
             self._replay.check()
+        if self._triggers is not None:
+            ReplayWindow(os.path.join(self.out, "replay"), frozenset({0}), {}).check()
+            if model is not None and self._triggers.ref is not None:  # a user error before the training starts
+                self._triggers.ref.check_model(self._signature())
+                self._model_checked = True
         if model is not None:
             self._name_tree(model, "")
             for module, scope in self._watched.items():
@@ -266,6 +308,13 @@ class Watch:
         return self.level == "all" or module in layers
 
     def _name_tree(self, root: nn.Module, prefix: str) -> None:
+        inner = unwrapped(root)
+        if inner is not root:
+            for name, module in root.named_modules():  # the wrappers themselves are not watched
+                if module is inner:
+                    break
+                self._named[module] = f"(wrapper){name}"
+            root = inner
         layers = layer_modules(root, prefix)
         for name, module in root.named_modules():
             if module in self._named:
@@ -278,12 +327,16 @@ class Watch:
             self._param_names.setdefault(id(p), f"{prefix}.{name}" if prefix else name)
 
     def _global_pre(self, module: nn.Module, args: Any) -> None:
+        r = self._replay
+        if self._replay_in_forward and r is not None and r.session is None and not r.done \
+                and self.step_index == r.first:
+            self._replay_safely(lambda r: r.open_in_forward(module, args, self.step_index))
         if module in self._named or self.errors:
             return
         try:
             prefix = "" if self._roots == 0 else f"{type(module).__name__}_{self._roots}"
             self._roots += 1
-            self._root_refs.append((weakref.ref(module), prefix))
+            self._root_refs.append((weakref.ref(unwrapped(module)), prefix))
             self._name_tree(module, prefix)
         except Exception as err:  # noqa: BLE001
             self._fail(err)
@@ -293,7 +346,7 @@ class Watch:
         self._on = (self.step_index % self.every == 0) and not self.errors and not self._closed
         self._params_full = self._on and (self.step_index // self.every) % self.param_every == 0
         self._batch = StatsBatch() if self._on else None
-        self._keys: List[Tuple[str, int]] = []
+        self._keys: List[Tuple[str, int, int]] = []
         self._dtypes: Dict[str, str] = {}
         self._calls: Dict[str, int] = {}
         self._scalars: List[Tuple[str, str, torch.Tensor]] = []
@@ -304,7 +357,7 @@ class Watch:
 
     def _add(self, key: str, t: torch.Tensor) -> None:
         with torch.no_grad():
-            self._keys.append((key, self._batch.add(t.detach())))
+            self._keys.append((key, self._batch.add(t.detach()), t.numel()))
         self._dtypes.setdefault(key, str(t.dtype).replace("torch.", ""))
 
     def _fwd_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -523,7 +576,8 @@ class Watch:
                 copies.append((host, done))
             self._batch.start()
         self._pending.append(_Pending(self.step_index, self._keys, self._batch, names, copies, self._dtypes))
-        self._drain(all_of_them=not self._on_accelerator(copies))
+        # a trigger decides at the step's end, so the next step can be captured: read it back now
+        self._drain(all_of_them=not self._on_accelerator(copies) or self._triggers is not None)
 
     @staticmethod
     def _on_accelerator(copies: list) -> bool:
@@ -544,6 +598,42 @@ class Watch:
                 record["note"] = "nothing was measured in this step"
             self._writer.write(record)
             self._wrote_dtypes = True
+            if self._triggers is not None and self.triggered is None and self.trigger_error is None:
+                self._judge(record)
+
+    # -- triggers (trigger.py): the first step that crosses arms a replay capture of the next -----
+    def _judge(self, record: Dict[str, Any]) -> None:
+        try:
+            if self._triggers.ref is not None and not self._model_checked:
+                self._triggers.ref.check_model(self._header["model"])  # a script's model is known now
+                self._model_checked = True
+            hit = self._triggers.judge(self._header, record)
+        except Exception as err:  # noqa: BLE001 - a refused reference or the rule's own error: the run goes on
+            refused = isinstance(err, PrecisionDiffError)  # a user error: watch_script reports it when the run ends
+            self.trigger_error = str(err) if refused else f"{type(err).__name__}: {err}"
+            message = f"trigger stopped: {self.trigger_error}"
+            self._writer.write({"note": message})
+            self.trigger_refused = refused
+            if refused:
+                return
+            try:
+                warnings.warn(f"precisiondiff watch: {message}; the training and the watch run on", WatchWarning,
+                              stacklevel=3)
+            except Warning:
+                pass
+            return
+        if hit is None:
+            return
+        self.triggered = hit
+        step = int(record["step"]) + 1
+        hit["captured_step"] = step
+        replay = os.path.join(self.out, "replay")
+        self._writer.write({"note": f"trigger at step {record['step']} ({hit['rule']}: {hit['reason']}): "
+                                    f"step {step} is captured in replay mode into {replay}", "trigger": hit})
+        log.warning("precisiondiff watch: step %s crossed (%s: %s); capturing step %d in replay mode into %s",
+                    record["step"], hit["rule"], hit["reason"], step, replay)
+        self._replay = ReplayWindow(replay, frozenset({step}), {**self.meta, "watch": self.out, "trigger": hit})
+        self._replay_in_forward = self.global_hooks
 
     # -- the log ------------------------------------------------------------------------------
     def _write_notes(self) -> None:
@@ -552,7 +642,7 @@ class Watch:
 
     def _signature(self) -> Dict[str, Any]:
         model = self._model() if self._model is not None else None
-        roots = [(model, "")] if model is not None else [(ref(), prefix) for ref, prefix in self._root_refs]
+        roots = [(unwrapped(model), "")] if model is not None else [(ref(), prefix) for ref, prefix in self._root_refs]
         named = [(f"{prefix}.{name}" if prefix else name, p) for root, prefix in roots if root is not None
                  for name, p in root.named_parameters()]
         params = [[name, list(p.shape)] for name, p in named]
@@ -574,6 +664,7 @@ class Watch:
                   "rank": self.rank, "world_size": self.world_size,
                   "meta": {"torch": torch.__version__, "argv": list(sys.argv), **self.meta}}
         self._writer = LogWriter(self._directory(), header, overwrite=self.overwrite)
+        self._header = header
 
     def _fail(self, err: BaseException) -> None:
         """Watch's own error: stop watching, note it in the log, warn once. Never raises."""
@@ -615,7 +706,9 @@ def losses_from_backward(w: Watch) -> Iterator[None]:
 
 def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimizer: Any = None,
           level: str = "default", modules: Optional[str] = None, every: int = 1, param_every: int = 10,
-          meta: Optional[dict] = None, overwrite: bool = False, replay_steps: Optional[str] = None) -> Watch:
+          meta: Optional[dict] = None, overwrite: bool = False, replay_steps: Optional[str] = None,
+          ref: "str | os.PathLike | None" = None, ref_noise: "str | os.PathLike | None" = None,
+          on_anomaly: bool = False) -> Watch:
     """Watch a training run: a few statistics per layer, parameter and step, and the loss.
 
     Args:
@@ -629,6 +722,10 @@ def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimi
         meta: extra fields for the log's header.
         overwrite: replace an existing log.
         replay_steps: capture these steps (``"5,6"``) in replay mode into ``out/replay``.
+        ref: a reference watch log: the first step whose statistics cross compare's threshold
+            against the reference's same step makes the next step be captured in replay mode
+            into ``out/replay``; ref_noise: a noise run's log that gives ``ref`` its band.
+        on_anomaly: the same capture at the first NaN/Inf, loss spike or gradient norm jump.
 
     Returns:
         A :class:`Watch` to use as a context manager; call ``.step(loss=loss)`` after each step.
@@ -638,4 +735,5 @@ def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimi
         ...     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad(); w.step(loss=loss)
     """
     return Watch(out, model=model, optimizer=optimizer, level=level, modules=modules, every=every,
-                 param_every=param_every, meta=meta, overwrite=overwrite, replay_steps=replay_steps)
+                 param_every=param_every, meta=meta, overwrite=overwrite, replay_steps=replay_steps,
+                 ref=ref, ref_noise=ref_noise, on_anomaly=on_anomaly)

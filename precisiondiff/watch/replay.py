@@ -52,6 +52,15 @@ class ReplayWindow:
         self.session.__enter__()
         self.session.recorder.step = at_step
 
+    def open_in_forward(self, module: Any, args: Any, at_step: int) -> None:
+        """Open the session from inside the global forward pre-hook of ``module``'s call (a
+        script's first module call of a step, when a trigger armed the window at the previous
+        step's end, inside an optimizer hook). PyTorch took the list of pre-hooks of this call
+        before the session's own was added, so it is called here for this call; its post-hook
+        is in the list taken after the forward."""
+        self.open(None, at_step)
+        self.session._global_fwd_pre(module, args)
+
     @property
     def active(self) -> bool:
         return self.session is not None and not self.done

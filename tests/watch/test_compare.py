@@ -125,3 +125,20 @@ def test_watch_script_and_a_killed_run_read_as_partial(tmp_path):
     assert c.first_divergence is None and all(e["bitwise"] for e in c.data["per_step"])
     # the script's losses are what backward() was called on
     assert all(e["loss_a"] is not None for e in c.data["per_step"])
+
+
+def test_report_writes_the_page_and_tensorboard_scalars(logs, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    page, tb = tmp_path / "w.html", tmp_path / "tb"
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(logs / "planted"), str(logs / "clean"), "-o", str(page), "--tensorboard", str(tb)])
+    assert exit_.value.code == 1 and page.read_text().count("<svg") == 2
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    losses = {tag: [e.value for e in acc.Scalars(tag)] for tag in ("loss/A", "loss/B")}
+    expected = [e["loss_a"] for e in compare_logs(logs / "planted", logs / "clean").data["per_step"]]
+    assert len(losses["loss/A"]) == 8 and losses["loss/A"] == pytest.approx(expected)
+    block1 = {e.step: e.value for e in acc.Scalars("error/output/blocks.1")}
+    assert all(block1[s] == 0 for s in range(4)) and block1[4] > 0
+    assert [e.value for e in acc.Scalars("summary/first_divergence_step")] == [4]

@@ -47,3 +47,22 @@ def test_a_real_trainer_run_is_watched_without_changing_it(tmp_path):
     log = read_logs(tmp_path / "w")[0]
     assert log.complete and [r["step"] for r in log.steps] == [0, 1]
     assert all(r["params"]["transformer.h.0.mlp.c_fc.weight"]["grad"] > 0 for r in log.steps)  # before the Trainer's zero_grad
+
+
+def test_the_callback_with_a_reference_captures_the_step_after_the_first_divergence(tmp_path):
+    import precisiondiff
+    from precisiondiff.watch.hf import watch_callback
+    train.train(4, watch_dir=str(tmp_path / "ref"), gelu_op=True)
+    model, opt, tokens = train.build(gelu_op=True)
+    callback = watch_callback(tmp_path / "dut", ref=str(tmp_path / "ref"))
+    callback.on_train_begin(None, None, None, model=model, optimizer=opt)
+    try:
+        for step in range(4):
+            train.BROKEN["on"] = step >= 2
+            train.train_step(model, opt, tokens)
+            callback.on_step_end(None, None, None)
+    finally:
+        train.BROKEN["on"] = False
+    callback.on_train_end(None, None, None)
+    assert any(n.startswith("trigger at step 2 (ref: ") for n in read_logs(tmp_path / "dut")[0].notes)
+    assert {e.step for e in precisiondiff.load(tmp_path / "dut" / "replay").events()} == {3}

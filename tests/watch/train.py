@@ -4,7 +4,12 @@
 ``precisiondiff watch --script``::
 
     python tests/watch/train.py --steps 6 --dtype float32 [--planted-step 3 --planted-layer 1]
-        [--kill-after 3] [--perturb]
+        [--kill-after 3] [--perturb] [--broken-from 4]
+
+``--broken-from K`` (``gelu_op=True``): block ``planted_layer``'s MLP activation is a custom op,
+``pdwatch::fused_gelu`` (a vendor's fused kernel), whose low-precision path scales its output by
+``BROKEN["scale"]`` (1.125) while :data:`BROKEN` is on; the script turns it on from step K (the tests flip it
+themselves). Bisect replays the op from a dump and names it.
 """
 from __future__ import annotations
 
@@ -20,6 +25,31 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tiny_transformer import TinyTransformer  # noqa: E402
 
 VOCAB = 128
+BROKEN = {"on": False, "scale": 1.125}
+
+
+@torch.library.custom_op("pdwatch::fused_gelu", mutates_args=())
+def fused_gelu(x: torch.Tensor) -> torch.Tensor:
+    y = F.gelu(x)
+    if BROKEN["on"] and x.dtype != torch.float64:
+        return y * BROKEN["scale"]  # the planted bug: a stale scale on the low-precision path
+    return y
+
+
+@fused_gelu.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _gelu_backward(ctx, grad):
+    return torch.ops.aten.gelu_backward(grad, ctx.saved_tensors[0])
+
+
+fused_gelu.register_autograd(_gelu_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
+def _fused_mlp_forward(mlp, x):
+    return mlp.fc2(fused_gelu(mlp.fc1(x)))
 
 
 class Planted:
@@ -37,7 +67,7 @@ class Planted:
 
 def build(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 3,
           planted_step: Optional[int] = None, planted_layer: int = 1, planted_scale: float = 2.0 ** -9,
-          perturb: bool = False, fused_norm: bool = False):
+          perturb: bool = False, fused_norm: bool = False, gelu_op: bool = False):
     """(model, optimizer, tokens): the same weights and data for every dtype (built in float32).
     ``fused_norm``: the example's RMSNorm kernel whose bf16 path accumulates in bf16 (a custom op)."""
     torch.manual_seed(seed)
@@ -51,6 +81,9 @@ def build(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 3,
                 p.mul_(1 + torch.finfo(dtype).eps * (torch.rand(p.shape, generator=g) - 0.5).to(dtype))
     if planted_step is not None:
         model.blocks[planted_layer].mlp.register_forward_hook(Planted(planted_step, planted_scale))
+    if gelu_op:
+        mlp = model.blocks[planted_layer].mlp
+        mlp.forward = _fused_mlp_forward.__get__(mlp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     return model, opt, tokens
 
@@ -65,18 +98,25 @@ def train_step(model, opt, tokens) -> torch.Tensor:
 
 
 def train(steps: int, *, watch_dir: Optional[str] = None, watch_options: Optional[dict] = None,
-          **build_options) -> Dict[str, torch.Tensor]:
+          broken_from: Optional[int] = None, **build_options) -> Dict[str, torch.Tensor]:
     """Train ``steps`` steps (under ``precisiondiff.watch`` when ``watch_dir`` is given); the final
-    parameters."""
+    parameters. ``broken_from``: the planted ``pdwatch::fused_gelu`` goes wrong from that step."""
+    if broken_from is not None:
+        build_options["gelu_op"] = True
     model, opt, tokens = build(**build_options)
-    if watch_dir is None:
-        for _ in range(steps):
-            train_step(model, opt, tokens)
-    else:
-        import precisiondiff
-        with precisiondiff.watch(watch_dir, model=model, optimizer=opt, **(watch_options or {})) as w:
-            for _ in range(steps):
-                w.step(loss=train_step(model, opt, tokens))
+    try:
+        if watch_dir is None:
+            for step in range(steps):
+                BROKEN["on"] = broken_from is not None and step >= broken_from
+                train_step(model, opt, tokens)
+        else:
+            import precisiondiff
+            with precisiondiff.watch(watch_dir, model=model, optimizer=opt, **(watch_options or {})) as w:
+                for step in range(steps):
+                    BROKEN["on"] = broken_from is not None and step >= broken_from
+                    w.step(loss=train_step(model, opt, tokens))
+    finally:
+        BROKEN["on"] = False
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -90,15 +130,27 @@ def main(argv=None) -> None:
     parser.add_argument("--kill-after", type=int, default=None, help="SIGKILL itself after this many steps")
     parser.add_argument("--perturb", action="store_true")
     parser.add_argument("--fused-norm", action="store_true")
+    parser.add_argument("--broken-from", type=int, default=None, help="pdwatch::fused_gelu goes wrong from this step")
+    parser.add_argument("--broken-scale", type=float, default=1.125, help="what it then scales its output by")
     args = parser.parse_args(argv)
     model, opt, tokens = build(dtype=getattr(torch, args.dtype), planted_step=args.planted_step,
                                planted_layer=args.planted_layer, layers=args.layers, perturb=args.perturb,
-                               fused_norm=args.fused_norm)
+                               fused_norm=args.fused_norm, gelu_op=args.broken_from is not None)
+    BROKEN["scale"] = args.broken_scale
     for step in range(args.steps):
+        BROKEN["on"] = args.broken_from is not None and step >= args.broken_from
         if args.kill_after is not None and step == args.kill_after:
             import signal
             os.kill(os.getpid(), signal.SIGKILL)
         train_step(model, opt, tokens)
+
+
+def workload():
+    """The model as a ``precisiondiff.Workload`` (``bisect DUMP --workload tests.watch.train:workload``
+    imports this module, which registers ``pdwatch::fused_gelu``, and rebuilds the modules)."""
+    import precisiondiff
+    model, _, tokens = build(gelu_op=True)
+    return precisiondiff.Workload(model, tokens)
 
 
 if __name__ == "__main__":
