@@ -11,7 +11,8 @@ on a GPU or MLU machine leave DS_ACCELERATOR unset):
 
 ``--zero N`` ZeRO stage (1 or 2), ``--fp32`` turns bf16 off, ``--steps`` optimizer steps,
 ``--plant`` replaces block 1's MLP activation with a custom op (``pdframeworks::rough_gelu``)
-that is wrong in bf16 only (the framework's code is not changed: one submodule's forward is).
+that is wrong in bf16 only (the framework's code is not changed: one submodule's forward is);
+``--plant-rank R`` does it on rank R only, under torchrun.
 
 ``--capture DIR`` records the steps with the Python API instead (after ``deepspeed.initialize``),
 for ``precisiondiff bisect DIR --workload examples/frameworks/deepspeed_gpt2.py`` (the workload
@@ -130,6 +131,8 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--plant", action="store_true")
+    parser.add_argument("--plant-rank", type=int, default=None, metavar="R",
+                        help="plant on rank R only (the other ranks run the stock GELU)")
     parser.add_argument("--capture", metavar="DIR", default=None,
                         help="capture the steps with the Python API (replay mode) into DIR")
     args = parser.parse_args()
@@ -140,7 +143,8 @@ def main() -> None:
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = tiny_gpt2(args.plant)
+    planted = args.plant if args.plant_rank is None else int(os.environ["RANK"]) == args.plant_rank
+    model = tiny_gpt2(planted)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=_ds_config(args.zero, not args.fp32))
     with contextlib.ExitStack() as stack:
