@@ -28,6 +28,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 __all__ = ["WRAPPER_COMPONENTS", "WRAPPER_SCOPE", "unwrap", "wrapper_prefix"]
 
+OPTIMIZER = "optimizer"  # the direction of parameter-update events (capture/optimizer.py)
 WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 WRAPPER_SCOPE = "(wrapper)"
 # the attribute under which a wrapper keeps the model it wraps (DDP, DeepSpeed, Megatron, compile)
@@ -97,6 +98,14 @@ def _best_prefix(mine: Sequence[str], theirs: Sequence[str], any_name: bool) -> 
     return best
 
 
+def _optimizer_scope(scope: str, prefix: str) -> str:
+    """``optimizer.param_groups.0/module.fc.weight`` -> ``optimizer.param_groups.0/fc.weight``."""
+    update, sep, param = scope.partition("/")
+    if not sep or not param.startswith(prefix + "."):
+        return scope
+    return f"{update}/{param[len(prefix) + 1:]}"
+
+
 def _root_name(events: Sequence) -> str:
     return next((e.name for e in events if e.kind == "module" and e.scope == ""), "")
 
@@ -128,12 +137,15 @@ def unwrap(a: Sequence, b: Sequence) -> Tuple[list, list, List[str]]:
     for me, label in ((0, "A"), (1, "B")):
         mine, theirs = sides[me], sides[1 - me]
         root, their_root = _root_name(mine), _root_name(theirs)
-        prefix = _best_prefix(list({e.scope for e in mine}), list({e.scope for e in theirs}),
+        # an optimizer's scopes (``optimizer.param_groups.0/...``) name no module: not part of the prefix
+        prefix = _best_prefix(list({e.scope for e in mine if e.direction != OPTIMIZER}),
+                              list({e.scope for e in theirs if e.direction != OPTIMIZER}),
                               any_name=bool(root and their_root and root != their_root))
         if not prefix:
             continue
         stripped = {scope: _strip(scope, prefix) for scope in {e.scope for e in mine}}
-        sides[me] = _rescoped(mine, lambda e: "" if e.scope == "" and e.kind == "op" else stripped[e.scope])
+        sides[me] = _rescoped(mine, lambda e: "" if e.scope == "" and e.kind == "op" else
+                              _optimizer_scope(e.scope, prefix) if e.direction == OPTIMIZER else stripped[e.scope])
         other = "B" if label == "A" else "A"
         notes.append(f"{label}'s module paths carry the wrapper prefix '{prefix}.'"
                      f"{f' (its root {root} wraps the model)' if root else ''}: aligned with {other}'s "
@@ -157,7 +169,7 @@ def wrapper_prefix(recorded: Sequence[str], model: Sequence[str]) -> str:
     recorded = sorted(set(recorded))
     if all(s in known for s in recorded):
         return ""
-    prefix = _common_prefix([s for s in recorded if s])
+    prefix = max(recorded, key=lambda s: s.count(".")).split(".")  # every path must be under it
     n = 0
     while n < len(prefix) and prefix[n] in WRAPPER_ATTRIBUTES:
         n += 1

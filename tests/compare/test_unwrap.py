@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precisiondiff.compare.align import EventRef, align_events
-from precisiondiff.compare.unwrap import WRAPPER_SCOPE, unwrap
+from precisiondiff.compare.unwrap import WRAPPER_SCOPE, unwrap, wrapper_prefix
 from tests.compare.test_align import _renumber, event
 
 
@@ -113,3 +114,14 @@ def test_a_megatron_style_wrapped_capture_compares_with_the_plain_reference(tmp_
     # only the wrapper's own events (its root module and its input cast) have no partner
     unmatched = {(row.scope, row.name) for row in cmp.rows if row.verdict == "unmatched"}
     assert unmatched and all(scope == "" for scope, _ in unmatched), unmatched
+
+
+@pytest.mark.parametrize("recorded, model, prefix", [
+    (["", "module", "module.fc"], ["", "fc"], "module"),
+    (["", "module", "module.module", "module.module.fc"], ["", "fc"], "module.module"),
+    (["", "fc"], ["", "fc"], ""),             # nothing to resolve
+    (["", "module", "module.other"], ["", "fc"], ""),  # another model: no prefix fits
+    (["", "encoder", "encoder.fc"], ["", "fc"], ""),   # a child of another name is not a wrapper
+])
+def test_the_wrapper_prefix_of_recorded_paths_in_a_model(recorded, model, prefix):
+    assert wrapper_prefix(recorded, model) == prefix
