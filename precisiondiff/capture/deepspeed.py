@@ -13,7 +13,8 @@ the instance (DeepSpeed's class is not changed) so capture's parameter gradients
 first, and :func:`zero_gradient` reads each one through the parameter's link to its partition
 (``p._hp_mapping.get_lp_grad_fragment(p._index_in_param_group)``, what DeepSpeed's own
 ``safe_get_full_grad`` reads), in the parameter's shape. That is the gradient reduced across the
-data-parallel ranks, in the accumulation dtype (fp32 under bf16), before clipping.
+data-parallel ranks, in the engine's gradient accumulation dtype (bf16 in a bf16 ZeRO-1/2 job unless
+``data_types.grad_accum_dtype`` says otherwise), before clipping.
 
 Only a parameter the rank holds whole (one rank, or one inside this rank's partition) is
 recorded: a parameter split between two ranks' partitions, or held by another rank, has no whole
