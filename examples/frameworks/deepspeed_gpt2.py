@@ -9,7 +9,7 @@ on a GPU or MLU machine leave DS_ACCELERATOR unset):
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 -m precisiondiff.cli capture --script \
         examples/frameworks/deepspeed_gpt2.py -o runs/ds2 -- --zero 2
 
-``--zero N`` ZeRO stage (1 or 2), ``--fp32`` turns bf16 off, ``--steps`` optimizer steps,
+``--zero N`` ZeRO stage (1, 2 or 3), ``--fp32`` turns bf16 off, ``--steps`` optimizer steps,
 ``--plant`` replaces block 1's MLP activation with a custom op (``pdframeworks::rough_gelu``)
 that is wrong in bf16 only (the framework's code is not changed: one submodule's forward is);
 ``--plant-rank R`` does it on rank R only, under torchrun; ``--plant-optimizer`` trains with
@@ -17,8 +17,9 @@ that is wrong in bf16 only (the framework's code is not changed: one submodule's
 that stores its first moment through bf16, passed to ``deepspeed.initialize`` for ZeRO to wrap.
 
 ``--capture DIR`` records the steps with the Python API instead (after ``deepspeed.initialize``),
-for ``precisiondiff bisect DIR --workload examples/frameworks/deepspeed_gpt2.py`` (the workload
-file registers the planted op for the replay).
+for ``precisiondiff bisect DIR --workload examples/frameworks/deepspeed_gpt2.py:build_planted``
+(the workload file registers the planted op for the replay; the bare model's paths are resolved
+under the engine's ``module.`` prefix).
 
 ``build`` is the same model as a plain ``file.py:fn`` workload (no engine): the float64
 reference a DeepSpeed dump is compared with (``precisiondiff capture
@@ -162,26 +163,6 @@ def build_planted():
     return build(plant=True)
 
 
-class EngineShaped(nn.Module):
-    """The model under a ``module`` attribute, as DeepSpeed's engine holds it: the scopes of a dump
-    captured through the engine (``module.transformer...``) resolve in it."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.module = model
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
-def build_planted_engine_shaped():
-    """``build_planted`` with the engine's ``module.`` level: the ``--workload`` of a bisect of a dump
-    captured with the API through the engine."""
-    workload = build(plant=True)
-    workload.model = EngineShaped(workload.model)
-    return workload
-
-
 def _ds_config(zero: int, bf16: bool, client_optimizer: bool = False) -> dict:
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -195,7 +176,7 @@ def _ds_config(zero: int, bf16: bool, client_optimizer: bool = False) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--zero", type=int, default=1, choices=[0, 1, 2])
+    parser.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3])
     parser.add_argument("--fp32", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--plant", action="store_true")
