@@ -22,7 +22,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,14 +30,11 @@ from typing import Callable, Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_distributed import _free_port  # noqa: E402
 
 CONFIGS = [("module", "stats"), ("op", "stats"), ("all", "stats"), ("all", "tensors"), ("all", "replay")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dir_bytes(path: str) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ pytest.importorskip("transformers")
 
 import precisiondiff  # noqa: E402
 from tests.conftest import pd_cli  # noqa: E402
+from tests.distributed.conftest import free_port as _free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "frameworks" / "deepspeed_gpt2.py")
@@ -40,12 +40,6 @@ def _run(*args: str):
 
 def _losses(stdout: str) -> list:
     return re.findall(r"^step \d+ loss (\S+)$", stdout, flags=re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
