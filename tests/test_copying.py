@@ -61,6 +61,23 @@ def test_process_groups_and_locks_are_shared_and_the_rest_copied(group):
     assert torch.allclose(moved(x), model(x.float()).double(), atol=1e-6)
 
 
+def test_the_attributes_a_framework_sets_on_parameters_are_kept(group):
+    model = torch.nn.Sequential(RowParallel(group), torch.nn.Linear(3, 2))
+    weight = model[0].linear.weight
+    weight.tensor_model_parallel, weight.partition_dim, weight.groups = True, 0, [group]  # Megatron's
+    for source in (model, torch.nn.Sequential(torch.nn.Linear(3, 2))):  # the sharing copy, the plain one
+        source[-1].weight.sequence_parallel = True
+        moved = Target.parse("cpu/float64").prepare_model(source)
+        assert moved[-1].weight.sequence_parallel is True
+    moved = Target.parse("cpu/float64").prepare_model(model)
+    copied = moved[0].linear.weight
+    assert (copied.tensor_model_parallel, copied.partition_dim, copied.groups[0]) == (True, 0, group)
+    assert copied.groups is not weight.groups and copied is not weight
+    plain = torch.nn.Linear(2, 2)
+    plain.weight.lock = threading.Lock()  # an attribute deepcopy cannot copy: shared, not a refusal
+    assert copy_model(plain).weight.lock is plain.weight.lock
+
+
 class _Uncopyable(torch.Tensor):
     def __deepcopy__(self, memo):
         raise TypeError("this tensor cannot be copied")

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..capture.dispatch import _in_hop_compile
 from ..capture.serialize import decode_call, flatten_tensors
 from ..comparators.accumulation import is_random_call
 from ..comparators.peers import reductions_in_dtype, reference_semantics
@@ -278,8 +280,24 @@ class GoldenMode(TorchDispatchMode):
         self.decompose = decompose and round_to is not None
         self.random_outputs = list(random_outputs or [])
 
+    # a higher-order operator (flex_attention, cond...) reaches __torch_dispatch__ and runs there
+    # as one unit (its inner ops below the mode), instead of raising "no rule registered"
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return _in_hop_compile()  # the HOP's eager wrapper compiles (capture/dispatch.py)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            self._count(False)
+            out = func(*args, **kwargs)
+            if self.round_to is None:
+                return out
+            return torch.utils._pytree.tree_map(
+                lambda v: v.to(self.round_to).to(v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                else v, out)
         name = str(func)
         view = getattr(func, "is_view", False)
         if is_random_call(func, args, kwargs):

@@ -12,8 +12,7 @@ Importing this module imports transformers (the ``hf`` extra).
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any, Optional
+from typing import Any
 
 try:
     from transformers import TrainerCallback
@@ -21,15 +20,14 @@ except ImportError as err:  # pragma: no cover - the extra is missing
     from ..errors import PrecisionDiffError
     raise PrecisionDiffError("CaptureCallback needs transformers: pip install 'precisiondiff[hf]'") from err
 
-from ..errors import PrecisionDiffError
-from .session import CaptureSession, capture
+from .callbacks import TrainingCapture
 
 __all__ = ["CaptureCallback"]
 
 log = logging.getLogger(__name__)
 
 
-class CaptureCallback(TrainerCallback):
+class CaptureCallback(TrainingCapture, TrainerCallback):
     """A ``TrainerCallback`` that captures the Trainer's model into a dump (module docstring).
 
     Args:
@@ -46,36 +44,15 @@ class CaptureCallback(TrainerCallback):
         >>> trainer.train()  # doctest: +SKIP
     """
 
-    def __init__(self, out: "str | os.PathLike", **options: Any) -> None:
-        if "model" in options:
-            raise PrecisionDiffError("CaptureCallback captures the Trainer's own model: do not pass model=")
-        capture(out, model=None, **options)  # validates the options (opens nothing)
-        self.out, self.options = out, options
-        self.session: Optional[CaptureSession] = None
-        self.error: Optional[str] = None
-
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is None:
             self.error = "the Trainer passed no model to on_train_begin: nothing captured"
             log.error("precisiondiff: %s", self.error)
             return
-        options = dict(self.options)
-        meta = {"target": "script", "workload": f"transformers.Trainer ({type(model).__name__})",
-                **(options.pop("meta", None) or {})}
-        try:
-            session = capture(self.out, model=model, meta=meta, **options)
-            session.__enter__()
-        except PrecisionDiffError as err:  # capture never raises into the training
-            self.error = str(err)
-            log.error("precisiondiff: capture not started: %s", err)
-            return
-        self.session = session
+        self._open(model, f"transformers.Trainer ({type(model).__name__})")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.session is not None:
-            self.session.step()
+        self._step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        session, self.session = self.session, None
-        if session is not None:
-            session.__exit__(None, None, None)
+        self._close()

@@ -274,9 +274,13 @@ class ModuleHooks:
             if entered:
                 self._updates.end()
 
-    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        from .closure import after_closure
         from .optimizer import optimizer_update
-        self._in_step = self._enter_update(lambda names: optimizer_update(self, optimizer, names))
+
+        def enter() -> None:
+            self._in_step = self._enter_update(lambda names: optimizer_update(self, optimizer, names))
+        return after_closure(args, kwargs, enter)  # a closure's forward and backward come first
 
     def _resume(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._in_step and self._updates is not None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from ..errors import CaptureError, PrecisionDiffError, WorkloadError
 from . import capture
@@ -56,6 +56,11 @@ def _handoff_line(path: "str | os.PathLike", spec: str) -> str:
             f"[--workload {spec}] [--peer DEVICE/DTYPE]")
 
 
+def _spec_name(spec: Any) -> str:
+    """What meta.json names a workload given as a callable or a ``Workload`` (not JSON itself)."""
+    return getattr(spec, "__qualname__", None) or getattr(spec, "name", None) or type(spec).__name__
+
+
 def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Target | None" = None,
                      level: str = "all", mode: str = "stats", format: str = "safetensors",
                      seed: int = 0, steps: Optional[str] = None, train: bool = False, repeat: int = 1,
@@ -91,7 +96,7 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         model.train(train or workload.train)
         inputs = tgt.prepare_inputs(workload.inputs)
         observed = None
-        meta = {"target": str(tgt), "seed": seed, "workload": spec, "steps": n_steps,
+        meta = {"target": str(tgt), "seed": seed, "workload": spec if isinstance(spec, str) else _spec_name(spec), "steps": n_steps,
                 "backward": workload.loss is not None, "repeat": run,
                 "optimizer": workload.optimizer is not None}
         if held_note:

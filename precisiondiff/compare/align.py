@@ -326,7 +326,11 @@ def check_same_structure(a: Sequence[EventRef], b: Sequence[EventRef], pairs: It
         raise AlignmentError(f"the dumps hold different training steps: A {steps_a}, B {steps_b}; "
                              "capture both with the same --steps")
     pairs = list(pairs)
-    smaller, larger = min(len(a), len(b)), max(len(a), len(b))
+    # a training step's parameter updates against a side that ran none (a forward/backward
+    # workload as the reference) are events the other side cannot have, not another model
+    updates_a, updates_b = (sum(e.direction == "optimizer" for e in side) for side in (a, b))
+    n_a, n_b = len(a) - (updates_a if not updates_b else 0), len(b) - (updates_b if not updates_a else 0)
+    smaller, larger = min(n_a, n_b), max(n_a, n_b)
     if smaller == 0 or len(pairs) >= MIN_MATCHED_FRACTION * larger:
         return
     matched_a = {p.a for p in pairs}

@@ -20,23 +20,37 @@ each block (``_fsdp_wrapped_module.`` and ``_checkpoint_wrapped_module.`` inside
   (initialization, the loss, the optimizer's), the wrapper's among them stay unmatched by the
   op sequence alignment.
 
+A ``--script`` capture also names the modules it first meets outside every module it knows
+(a ``torch.nn.Softmax()`` built inside a forward, as Megatron's softmax does) as new roots,
+``Class_N`` (capture/hooks.py). Those subtrees are neither the wrapper nor the model: they are
+left out of the common prefix and keep their paths. So are the scopes of parameter updates
+(``optimizer.param_groups.0/module.fc1.weight``, capture/optimizer.py): the prefix is removed from
+the parameter's path after the ``/``.
+
 Only the paths alignment matches on change; rows keep each dump's own paths.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Tuple
+import re
+from typing import Any, Callable, List, Sequence, Set, Tuple
 
 __all__ = ["WRAPPER_COMPONENTS", "WRAPPER_SCOPE", "unwrap", "wrapper_prefix"]
 
-OPTIMIZER = "optimizer"  # the direction of parameter-update events (capture/optimizer.py)
 WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 WRAPPER_SCOPE = "(wrapper)"
 # the attribute under which a wrapper keeps the model it wraps (DDP, DeepSpeed, Megatron, compile)
 WRAPPER_ATTRIBUTES = ("module",) + WRAPPER_COMPONENTS
 
 
+def _script_roots(events: Sequence) -> Set[str]:
+    """The first path components that are a script capture's extra roots (``Softmax_3``: a
+    module event at that path whose class is ``Softmax``)."""
+    return {e.scope for e in events
+            if e.kind == "module" and "." not in e.scope and re.fullmatch(re.escape(e.name) + r"_\d+", e.scope)}
+
+
 def _has_components(events: Sequence) -> bool:
-    return any(c in WRAPPER_COMPONENTS for scope in {e.scope for e in events} for c in scope.split("."))
+    return any(c in WRAPPER_COMPONENTS for scope in {e.scope for e in events} for c in re.split(r"[./]", scope))
 
 
 def _rescoped(events: Sequence, new_scope: Callable[[Any], str]) -> list:
@@ -50,7 +64,8 @@ def _rescoped(events: Sequence, new_scope: Callable[[Any], str]) -> list:
 
 
 def _drop_components(scope: str) -> str:
-    return ".".join(c for c in scope.split(".") if c not in WRAPPER_COMPONENTS)
+    head, slash, path = scope.rpartition("/")  # an update's scope: the parameter's path after the /
+    return head + slash + ".".join(c for c in path.split(".") if c not in WRAPPER_COMPONENTS)
 
 
 def _common_prefix(scopes: Sequence[str]) -> List[str]:
@@ -66,7 +81,13 @@ def _common_prefix(scopes: Sequence[str]) -> List[str]:
     return prefix
 
 
-def _strip(scope: str, prefix: str) -> str:
+def _strip(scope: str, prefix: str, extra_roots: Set[str] = frozenset()) -> str:
+    if "/" in scope:  # a parameter update's scope, optimizer.param_groups.0/PARAM: the parameter's path
+        head, _, param = scope.partition("/")
+        inner = _strip(param, prefix, extra_roots)
+        return scope if inner == WRAPPER_SCOPE else f"{head}/{inner}"
+    if scope.split(".", 1)[0] in extra_roots:
+        return scope
     if scope == prefix:
         return ""
     if scope.startswith(prefix + "."):
@@ -74,10 +95,12 @@ def _strip(scope: str, prefix: str) -> str:
     return WRAPPER_SCOPE  # the wrapper itself, or a level of it above the model
 
 
-def _best_prefix(mine: Sequence[str], theirs: Sequence[str], any_name: bool) -> str:
-    """The leading prefix of ``mine`` whose removal matches most paths of ``theirs`` ("" if none
-    does better than keeping it); of wrapper attributes only unless ``any_name``."""
-    prefix = _common_prefix(mine)
+def _best_prefix(mine: Sequence[str], theirs: Sequence[str], any_name: bool,
+                 extra_roots: Set[str] = frozenset()) -> str:
+    """The leading prefix of ``mine`` (update scopes and paths under ``extra_roots`` left out) whose removal
+    matches most paths of ``theirs`` ("" if none does better than keeping it); of wrapper
+    attributes only unless ``any_name``."""
+    prefix = _common_prefix([s for s in mine if "/" not in s and s.split(".", 1)[0] not in extra_roots])
     if not any_name:
         n = 0
         while n < len(prefix) and prefix[n] in WRAPPER_ATTRIBUTES:
@@ -92,18 +115,10 @@ def _best_prefix(mine: Sequence[str], theirs: Sequence[str], any_name: bool) -> 
     best, best_score = "", 0
     for k in range(1, len(prefix) + 1):
         p = ".".join(prefix[:k])
-        score = len({_strip(s, p) for s in mine_set} & theirs_set)
+        score = len({_strip(s, p, extra_roots) for s in mine_set} & theirs_set)
         if score > best_score and score >= kept:
             best, best_score = p, score
     return best
-
-
-def _optimizer_scope(scope: str, prefix: str) -> str:
-    """``optimizer.param_groups.0/module.fc.weight`` -> ``optimizer.param_groups.0/fc.weight``."""
-    update, sep, param = scope.partition("/")
-    if not sep or not param.startswith(prefix + "."):
-        return scope
-    return f"{update}/{param[len(prefix) + 1:]}"
 
 
 def _root_name(events: Sequence) -> str:
@@ -137,15 +152,13 @@ def unwrap(a: Sequence, b: Sequence) -> Tuple[list, list, List[str]]:
     for me, label in ((0, "A"), (1, "B")):
         mine, theirs = sides[me], sides[1 - me]
         root, their_root = _root_name(mine), _root_name(theirs)
-        # an optimizer's scopes (``optimizer.param_groups.0/...``) name no module: not part of the prefix
-        prefix = _best_prefix(list({e.scope for e in mine if e.direction != OPTIMIZER}),
-                              list({e.scope for e in theirs if e.direction != OPTIMIZER}),
-                              any_name=bool(root and their_root and root != their_root))
+        extra_roots = _script_roots(mine) - {e.scope for e in theirs}
+        prefix = _best_prefix(list({e.scope for e in mine}), list({e.scope for e in theirs}),
+                              any_name=bool(root and their_root and root != their_root), extra_roots=extra_roots)
         if not prefix:
             continue
-        stripped = {scope: _strip(scope, prefix) for scope in {e.scope for e in mine}}
-        sides[me] = _rescoped(mine, lambda e: "" if e.scope == "" and e.kind == "op" else
-                              _optimizer_scope(e.scope, prefix) if e.direction == OPTIMIZER else stripped[e.scope])
+        stripped = {scope: _strip(scope, prefix, extra_roots) for scope in {e.scope for e in mine}}
+        sides[me] = _rescoped(mine, lambda e: "" if e.scope == "" and e.kind == "op" else stripped[e.scope])
         other = "B" if label == "A" else "A"
         notes.append(f"{label}'s module paths carry the wrapper prefix '{prefix}.'"
                      f"{f' (its root {root} wraps the model)' if root else ''}: aligned with {other}'s "

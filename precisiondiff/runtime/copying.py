@@ -6,7 +6,8 @@ DeepSpeed's engine hold ``ProcessGroup`` handles (``TypeError: cannot pickle
 'torch._C._distributed_c10d.ProcessGroup' object``), others thread locks or C++ handles. Such an
 object is a handle on something process-wide (a communicator, a lock), not state of the model: the
 copy **shares** it with the original, and copies everything else (parameters, buffers, submodules,
-plain attributes) as ``copy.deepcopy`` does. They are found by walking the model's attributes
+plain attributes) as ``copy.deepcopy`` does, and the attributes frameworks set on parameters
+(which ``Parameter.__deepcopy__`` drops). They are found by walking the model's attributes
 (into containers and plain objects, never into tensors) and trying to copy each; the walk runs only
 when the plain deep copy failed.
 """
@@ -41,20 +42,36 @@ def copy_model(model: torch.nn.Module) -> torch.nn.Module:
         >>> copy_model(torch.nn.Linear(2, 2)).weight.data_ptr() != 0
         True
     """
+    memo: Dict[int, Any] = {}
     try:
-        return copy.deepcopy(model)
+        return _with_parameter_attributes(model, copy.deepcopy(model, memo), memo)
     except Exception as err:  # noqa: BLE001 - any failure of the plain copy: try sharing handles
         first = err
     shared = _uncopyable(model)
-    memo: Dict[int, Any] = {id(obj): obj for obj in shared}
+    memo = {id(obj): obj for obj in shared}
     try:
-        moved = copy.deepcopy(model, memo)
+        moved = _with_parameter_attributes(model, copy.deepcopy(model, memo), memo)
     except Exception as err:  # noqa: BLE001 - reported in one line
         raise WorkloadError(f"cannot copy the model for the target: copy.deepcopy raised "
                             f"{type(first).__name__}: {first}; make the objects it holds copyable (or "
                             "give them a __deepcopy__), or capture the script with --script") from err
     names = sorted({type(obj).__name__ for obj in shared})
     log.info("the model's copy shares %d object(s) deepcopy cannot copy: %s", len(shared), ", ".join(names))
+    return moved
+
+
+def _with_parameter_attributes(model: torch.nn.Module, moved: torch.nn.Module, memo: Dict[int, Any]) -> torch.nn.Module:
+    """``moved`` with the Python attributes of ``model``'s parameters (Megatron's
+    ``tensor_model_parallel`` / ``partition_dim``, DeepSpeed's ``ds_*``): ``Parameter.__deepcopy__``
+    drops them; one that cannot be copied is shared, as the model's handles are."""
+    pairs = zip(model.named_parameters(remove_duplicate=False), moved.named_parameters(remove_duplicate=False))
+    for (_, original), (_, copied) in pairs:
+        if original.__dict__ and not copied.__dict__:
+            for name, value in original.__dict__.items():
+                try:
+                    copied.__dict__[name] = copy.deepcopy(value, memo)
+                except Exception:  # noqa: BLE001 - a handle (a bound method of an engine...): shared
+                    copied.__dict__[name] = value
     return moved
 
 

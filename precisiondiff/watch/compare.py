@@ -42,6 +42,7 @@ import torch
 from ..comparators.ulp import float_format
 from ..errors import PrecisionDiffError
 from .log import FIELDS, WatchLog, read_logs
+from .shards import combine_ranks
 
 __all__ = ["DEFAULTS", "WatchComparison", "compare_logs", "tensor_error"]
 
@@ -277,6 +278,10 @@ def _compare_pair(la: WatchLog, lb: WatchLog, lc: Optional[WatchLog]) -> Dict[st
             "step_numbers": steps}
 
 
+def _one_rank(logs: dict) -> dict:
+    return {0: combine_ranks(logs)} if len(logs) > 1 else logs
+
+
 def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
                  noise: "str | os.PathLike | None" = None) -> WatchComparison:
     """Compare watch log A (the run under test) with B (the reference), optionally with a noise run.
@@ -298,6 +303,9 @@ def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
     """
     logs_a, logs_b = read_logs(a), read_logs(b)
     logs_c = read_logs(noise) if noise is not None else None
+    if len(logs_a) != len(logs_b) and 1 in (len(logs_a), len(logs_b)):
+        # a sharded job against one process: its ranks' shard norms combined (shards.py)
+        logs_a, logs_b, logs_c = (_one_rank(x) if x is not None else None for x in (logs_a, logs_b, logs_c))
     for other, logs in (("B", logs_b), ("the noise run", logs_c)):
         if logs is None:
             continue
@@ -317,5 +325,6 @@ def compare_logs(a: "str | os.PathLike", b: "str | os.PathLike", *,
         top["ranks"] = [{"rank": r["rank"], "first_divergence": r["first_divergence"], "steps": r["steps"]}
                         for r in ranks]
         top["notes"] = [n for r in ranks for n in r["notes"]]
+    top["notes"] = [n for lg in logs_a.values() if lg.header.get("combined_from") for n in lg.notes] + top["notes"]
     top["thresholds"] = {**DEFAULTS, "mode": "noise" if noise is not None else "default"}
     return WatchComparison(os.fspath(a), os.fspath(b), os.fspath(noise) if noise is not None else None, top)

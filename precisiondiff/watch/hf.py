@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .monitor import Watch, losses_from_backward
+from .callbacks import TrainingWatch
 
 __all__ = ["watch_callback"]
 
@@ -35,28 +35,16 @@ def watch_callback(out: "str | os.PathLike", **options: Any) -> Any:
         from ..errors import PrecisionDiffError
         raise PrecisionDiffError("the watch callback needs transformers: pip install transformers") from err
 
-    class WatchCallback(TrainerCallback):
+    class WatchCallback(TrainingWatch, TrainerCallback):
         """Watches the Trainer's model and optimizer; one step per optimizer step."""
 
-        def __init__(self) -> None:
-            self.watch = None
-            self._losses = None
-
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-            self.watch = Watch(out, model=model, optimizer=inner, **options).__enter__()
-            self._losses = losses_from_backward(self.watch)
-            self._losses.__enter__()
+            self._start(model, getattr(optimizer, "optimizer", optimizer))  # accelerate's AcceleratedOptimizer
 
         def on_step_end(self, args, state, control, **kwargs):
-            if self.watch is not None:
-                self.watch.step()
+            self._step()
 
         def on_train_end(self, args, state, control, **kwargs):
-            if self._losses is not None:
-                self._losses.__exit__(None, None, None)
-                self._losses = None
-            if self.watch is not None:
-                self.watch.close()
+            self._close()
 
-    return WatchCallback()
+    return WatchCallback(out, options)

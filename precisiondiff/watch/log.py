@@ -4,7 +4,8 @@ A log is a directory holding ``watch.jsonl`` (``rank{N}/watch.jsonl`` per rank o
 job). Its lines, in order:
 
 - one ``header``: ``{"format": "precisiondiff-watch", "version": 1, "fields": [...], "model":
-  {"signature", "modules", "params"}, "rank", "world_size", "meta": {...}}``;
+  {"signature", "modules", "params"[, "shards"]}, "rank", "world_size", "meta": {...}}`` (``shards``:
+  the DTensor parameters' placements and mesh, :mod:`.shards`);
 - one ``step`` record per watched step: ``{"step": N, "loss": x, "tensors": {KEY: [...]},
   "params": {NAME: {"weight": ..., "grad": ..., ...}}}``, where ``KEY`` is ``scope:output`` or
   ``scope:grad_output`` and each list follows ``fields``;

@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..capture.closure import after_closure
 from ..capture.dispatch import in_backward
 from ..capture.filters import parse_selection
 from ..capture.distributed import rank_and_world
@@ -41,6 +42,7 @@ from ..capture.stats import StatsBatch, copy_to_host
 from ..errors import PrecisionDiffError
 from .log import FIELDS, LOG_FILE, LogWriter
 from .replay import ReplayWindow
+from .shards import shard_fields
 
 __all__ = ["Watch", "WatchWarning", "watch", "LEVELS", "layer_modules", "losses_from_backward"]
 
@@ -72,6 +74,8 @@ def layer_modules(root: nn.Module, prefix: str = "") -> Dict[nn.Module, str]:
 def _norms(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """L2 norms of ``tensors`` as 0-d tensors on their devices: one ``_foreach_norm`` per (device,
     dtype), accumulated in float64 for float64 tensors and float32 otherwise."""
+    # a DTensor (an FSDP2 or TP parameter, its gradient and state) is measured on its local shard
+    tensors = [getattr(t, "_local_tensor", t) for t in tensors]
     out: List[Optional[torch.Tensor]] = [None] * len(tensors)
     groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
     for i, t in enumerate(tensors):
@@ -379,14 +383,17 @@ class Watch:
         for (name, _), norm in zip(with_grad, _norms([g for _, g in with_grad])):
             self._scalars.append((name, "grad", norm))
 
-    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         if not self._on:
-            return
-        try:
-            with self._quiet():
-                self._grad_norms_and_copies(optimizer)
-        except Exception as err:  # noqa: BLE001
-            self._fail(err)
+            return None
+
+        def before_update() -> None:
+            try:
+                with self._quiet():
+                    self._grad_norms_and_copies(optimizer)
+            except Exception as err:  # noqa: BLE001
+                self._fail(err)
+        return after_closure(args, kwargs, before_update)  # a closure's backward comes first
 
     def _grad_norms_and_copies(self, optimizer: Any) -> None:
         params = self._param_list(optimizer)
@@ -553,8 +560,12 @@ class Watch:
         # float64 run of one model are the point of comparing)
         digest = hashlib.sha1(repr(sorted((n, tuple(s)) for n, s in params)).encode()).hexdigest()
         dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in named})
-        return {"signature": digest[:16], "params": params, "modules": sorted(set(self._watched.values())),
-                "param_dtypes": dtypes}
+        sig = {"signature": digest[:16], "params": params, "modules": sorted(set(self._watched.values())),
+               "param_dtypes": dtypes}
+        shards = {name: f for name, p in named if (f := shard_fields(p)) is not None}
+        if shards:  # DTensor parameters: each rank measures its shard (combined by shards.combine_ranks)
+            sig["shards"] = shards
+        return sig
 
     def _open(self) -> None:
         self.rank, self.world_size = rank_and_world()  # a script initializes its process group after enter

@@ -1,6 +1,7 @@
 """A wrapper's prefix on one side (DDP/DeepSpeed/Megatron ``module.``, ``_orig_mod.``, FSDP1's
-``_fsdp_wrapped_module.``) does not stop alignment: hypothesis properties on random event
-sequences, and two real captures compared (precisiondiff/compare/unwrap.py)."""
+``_fsdp_wrapped_module.``) does not stop alignment, nor do a script capture's extra roots and
+optimizer updates: hypothesis properties on random event sequences, and two real captures
+compared (precisiondiff/compare/unwrap.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from precisiondiff.compare.align import EventRef, align_events
 from precisiondiff.compare.unwrap import WRAPPER_SCOPE, unwrap, wrapper_prefix
+from precisiondiff.errors import AlignmentError
 from tests.compare.test_align import _renumber, aligns_as_plain, event
 
 
@@ -21,9 +23,10 @@ def _wrap_scope(scope: str, prefix: str, inner: bool) -> str:
 
 
 @st.composite
-def wrapped(draw):
-    """(A, B, where): A is B's events seen through a wrapper, plus the wrapper's own events (a
-    root module event and ops outside the model); where[i] is the index in A of B's event i."""
+def wrapped_with_prefix(draw):
+    """(A, B, where, prefix): A is B's events seen through a wrapper (``prefix``), plus the
+    wrapper's own events (a root module event and ops outside the model); where[i] is the index
+    in A of B's event i."""
     b = _renumber(draw(st.lists(event, min_size=1, max_size=40)))
     prefix = draw(st.sampled_from(["module", "module.module", "_orig_mod"]))
     inner = draw(st.booleans())
@@ -35,11 +38,14 @@ def wrapped(draw):
         where.append(len(a))
         a.append(dataclasses.replace(e, index=len(a), seq=len(a), scope=_wrap_scope(e.scope, prefix, inner)))
     a.append(EventRef(len(a), len(a), "module", "", "DistributedDataParallel", "forward"))
-    return a, b, where
+    return a, b, where, prefix
+
+
+wrapped = wrapped_with_prefix().map(lambda abwp: abwp[:3])
 
 
 @settings(max_examples=200, deadline=None)
-@given(wrapped())
+@given(wrapped)
 def test_a_wrapped_side_aligns_as_the_unwrapped_one(abw):
     a, b, where = abw
     al = align_events(a, b, check=False)
@@ -68,6 +74,46 @@ def test_the_prefix_of_a_plain_child_is_not_stripped():
     a = [ev(0, "inner.0", "Linear"), ev(1, "inner", "Model"), ev(2, "", "MyWrapper")]
     b = [ev(0, "0", "Linear"), ev(1, "", "Model")]
     assert [e.scope for e in unwrap(a, b)[0]] == ["0", "", WRAPPER_SCOPE]
+
+
+def _script_extras(a: list, prefix: str, n_roots: int, n_updates: int) -> list:
+    """A ``--script`` capture's extra events on the wrapped side: modules built inside a forward,
+    named as new roots ``Softmax_N`` with an op each, and optimizer updates of the parameters of
+    ``prefix.0`` (``optimizer.param_groups.0/PREFIX.0.weight``)."""
+    out = list(a)
+    for k in range(1, n_roots + 1):
+        out.append(EventRef(len(out), len(out), "op", f"Softmax_{k}", "aten._softmax", "forward"))
+        out.append(EventRef(len(out), len(out), "module", f"Softmax_{k}", "Softmax", "forward"))
+    for k in range(n_updates):
+        out.append(EventRef(len(out), len(out), "op", f"optimizer.param_groups.0/{prefix}.0.weight",
+                            "aten.lerp_.Scalar", "optimizer", k))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(wrapped_with_prefix(), st.integers(0, 3), st.integers(0, 4))
+def test_script_roots_and_updates_on_the_wrapped_side_do_not_stop_unwrapping(abwp, n_roots, n_updates):
+    a, b, where, prefix = abwp
+    a = _script_extras(a, prefix, n_roots, n_updates)
+    al = align_events(a, b, check=False)
+    # every event of the model pairs as without the extras (they stay unmatched)
+    assert aligns_as_plain(al, b, where)
+    unwrapped = {e.index: e.scope for e in unwrap(a, b)[0]}
+    for e in a[len(a) - 2 * n_roots - n_updates:]:
+        if e.direction == "optimizer" and al.notes:
+            assert unwrapped[e.index] == "optimizer.param_groups.0/0.weight"
+        elif e.direction != "optimizer":
+            assert unwrapped[e.index] == e.scope  # a script root keeps its path
+
+
+def test_updates_only_one_side_ran_are_not_counted_as_another_model():
+    ev = lambda i, scope, name, d="forward": EventRef(i, i, "op", scope, name, d)  # noqa: E731
+    b = [ev(i, "0", "aten.mm") for i in range(4)]
+    a = b + [ev(4 + i, f"optimizer.param_groups.0/0.w{i}", "aten.add_", "optimizer") for i in range(8)]
+    align_events(a, b)  # 4 of 12 events match, but the 8 are updates B never ran: no AlignmentError
+    c = [ev(i, "0", "aten.mm") for i in range(2)] + [ev(2 + i, "1", "aten.relu") for i in range(6)]
+    with pytest.raises(AlignmentError):
+        align_events(c, b + [ev(4 + i, "2", "aten.gelu") for i in range(4)])
 
 
 WORKLOAD = '''

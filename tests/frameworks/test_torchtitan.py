@@ -14,6 +14,8 @@ pytest.importorskip("torchtitan")
 import precisiondiff  # noqa: E402
 from precisiondiff.capture.runner import capture_workload  # noqa: E402
 
+# eager FlexAttention on the CPU (torchtitan compiles it on GPUs) warns that it is unfused
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 SPEC = str(Path(__file__).resolve().parents[2] / "examples" / "frameworks" / "torchtitan_llama.py")
 PLANT = "pdframeworks.rough_rms_norm.default"
 
@@ -55,3 +57,45 @@ def test_bisect_names_the_planted_rms_norm():
     c = result.culprit
     assert result.verdict == "kernel" and (c["kind"], c["name"], c["scope"], c["direction"]) == \
         ("op", PLANT, "layers.1.ffn_norm", "forward"), c
+
+
+# -- FlexAttention (forward only: no CPU backward in torch 2.13) and activation checkpointing --
+
+@pytest.fixture(scope="module")
+def flex_dump(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tt") / "flex"
+    capture_workload(f"{SPEC}:build_flex", out, target="cpu/bf16", level="all", mode="replay")
+    return out
+
+
+def test_flex_attention_is_recorded_as_a_unit_inside_its_module(flex_dump):
+    events = list(precisiondiff.load(flex_dump).events())
+    hops = [ev for ev in events if ev.name == "higher_order.flex_attention"]
+    assert [ev.scope for ev in hops] == ["layers.0.attention.inner_attention", "layers.1.attention.inner_attention"]
+    assert {ev.direction for ev in events} == {"forward"}
+
+
+def test_bisect_of_a_flex_inference_step_judges_it_and_names_the_plant():
+    clean = precisiondiff.bisect(f"{SPEC}:build_flex", target="cpu/bf16")
+    assert clean.verdict in ("parity", "accumulated"), clean.culprit
+    planted = precisiondiff.bisect(f"{SPEC}:build_flex_planted", target="cpu/bf16")
+    c = planted.culprit
+    assert planted.verdict == "kernel" and (c["name"], c["scope"], c["direction"]) == \
+        (PLANT, "layers.1.ffn_norm", "forward"), c
+
+
+def test_activation_checkpointing_records_each_op_once_and_bisect_is_clean(tmp_path):
+    capture_workload(f"{SPEC}:build_ac_planted", tmp_path / "ac", target="cpu/bf16", level="all", mode="replay")
+    events = list(precisiondiff.load(tmp_path / "ac").events())
+    assert [ev.direction for ev in events if ev.name == PLANT] == ["forward"]  # not again in the recompute
+    mods = [(ev.scope, ev.direction) for ev in events if ev.kind == "module"]
+    assert mods.count(("layers.1._checkpoint_wrapped_module.ffn_norm", "forward")) == 1
+    result = precisiondiff.bisect(f"{SPEC}:build_ac", target="cpu/bf16")
+    assert result.verdict in ("parity", "accumulated"), result.culprit
+
+
+def test_bisect_names_the_plant_under_activation_checkpointing():
+    result = precisiondiff.bisect(f"{SPEC}:build_ac_planted", target="cpu/bf16")
+    c = result.culprit
+    assert result.verdict == "kernel" and (c["name"], c["scope"], c["direction"]) == \
+        (PLANT, "layers.1._checkpoint_wrapped_module.ffn_norm", "forward"), c

@@ -35,3 +35,15 @@ def test_the_callback_watches_each_optimizer_step_with_its_mean_loss(tmp_path):
     assert log.complete and [r["loss"] for r in log.steps] == pytest.approx(means, rel=1e-6)
     assert "blocks.0:output#1" not in log.steps[0]["tensors"] and "blocks.0#1:output" in log.steps[0]["tensors"]
     assert torch.autograd.backward.__module__ == "torch.autograd"  # restored
+
+
+def test_a_real_trainer_run_is_watched_without_changing_it(tmp_path):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    from precisiondiff.watch.hf import watch_callback
+    from tests.integrations.test_hf_trainer import _train
+    watched = _train(tmp_path, watch_callback(tmp_path / "w", param_every=1))
+    plain = _train(tmp_path)
+    assert all(torch.equal(watched[k], plain[k]) for k in plain)
+    log = read_logs(tmp_path / "w")[0]
+    assert log.complete and [r["step"] for r in log.steps] == [0, 1]
+    assert all(r["params"]["transformer.h.0.mlp.c_fc.weight"]["grad"] > 0 for r in log.steps)  # before the Trainer's zero_grad
