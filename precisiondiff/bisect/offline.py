@@ -28,6 +28,7 @@ from .result import BisectResult
 from ..store.schema import tensor_key
 from .substitute import final_errors
 from .training import mark_steps, search_steps
+from ..compare.unwrap import wrapper_prefix
 
 __all__ = ["bisect_dump", "bisect_dump_distributed", "events_from_dump"]
 
@@ -117,6 +118,25 @@ def _check_same_model(meta_a: Dict[str, Any], meta_b: Dict[str, Any], events_a: 
                           f"{len(mods_a)} modules in common): pass a REF_DUMP of the same workload")
 
 
+class _PassThrough(torch.nn.Module):
+    """A wrapper level that only calls the module it holds (the ``module`` of DeepSpeed's engine or DDP)."""
+
+    def __init__(self, attr: str, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self._attr = attr
+        self.add_module(attr, inner)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, self._attr)(*args, **kwargs)
+
+
+def _nested(model: torch.nn.Module, prefix: str) -> torch.nn.Module:
+    """``model`` under pass-through levels named by ``prefix`` (``module.module``: two levels)."""
+    for attr in reversed(prefix.split(".")):
+        model = _PassThrough(attr, model)
+    return model
+
+
 def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *, ref: "str | Target" = "cpu/float64",
                 workload: "str | Callable[[], Any] | None" = None, direction: Optional[str] = None,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
@@ -203,7 +223,14 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if workload is not None:
         wl = load_workload(workload, seed=int(meta.get("seed") or 0))
         modules = dict(wl.model.named_modules())
-        missing = sorted({e.scope for e in events if e.kind == "module" and e.scope not in modules})
+        recorded = {e.scope for e in events if e.kind == "module"}
+        prefix = wrapper_prefix(sorted(recorded), list(modules))
+        if prefix:  # a dump captured through an engine's wrapper (DeepSpeed, DDP), the bare model given
+            wl.model = _nested(wl.model, prefix)
+            modules = dict(wl.model.named_modules())
+            notes.append(f"the workload's model is replayed under the dump's wrapper prefix '{prefix}.' "
+                         "(the wrapper's own module is a pass-through)")
+        missing = sorted(s for s in recorded if s not in modules)
         if missing:
             raise BisectError(f"the workload's model has no module {missing[0]!r} recorded in {dut_dump}: "
                               "pass the --workload the dump was captured from")

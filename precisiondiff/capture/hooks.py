@@ -152,6 +152,15 @@ _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
+def _gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """``param.grad``, or where a framework keeps it instead (DeepSpeed ZeRO-1/2: :mod:`.deepspeed`)."""
+    grad = param.grad
+    if grad is None and getattr(param, "_hp_mapping", None) is not None:
+        from .deepspeed import zero_gradient
+        grad = zero_gradient(param)
+    return grad
+
+
 def _without_orig_mod(name: str) -> str:
     """A module path with torch.compile's ``_orig_mod`` wrapper level left out."""
     if "_orig_mod" not in name:
@@ -165,6 +174,7 @@ class ModuleHooks:
     _recomputing = 0  # depth of module calls re-run by activation checkpointing
     _updates: Any = None  # optimizer.Updates: the parameter updates in progress
     _in_step = False  # inside an optimizer.step() being recorded
+    _grads_elsewhere = False  # a parameter gradient was read from a framework's buffers (_gradient)
 
     # -- installing hooks --------------------------------------------------------------------
     def _register_names(self, root: nn.Module, prefix: str) -> None:
@@ -177,6 +187,11 @@ class ModuleHooks:
                 if param.requires_grad and id(param) not in self._param_owner:
                     self._param_owner[id(param)] = (self._names[module], class_name(module), pname)
                     self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+        if type(root).__name__ == "DeepSpeedEngine":  # ZeRO keeps gradients out of p.grad (deepspeed.py)
+            from .deepspeed import zero_step_hook
+            handle = zero_step_hook(root, self._take_param_grads)
+            if handle is not None:
+                self._handles.append(handle)
 
     def _hook_model(self, model: nn.Module) -> None:
         self._register_names(model, "")
@@ -226,12 +241,20 @@ class ModuleHooks:
     def _param_names(self) -> Dict[int, str]:
         return {pid: f"{scope}.{pname}" if scope else pname for pid, (scope, _, pname) in self._param_owner.items()}
 
+    def _take_param_grads(self) -> None:
+        """Parameter gradients now (before a framework's step moves or clips them); never raises."""
+        try:
+            self._emit_pending_backward()
+            self._emit_param_grads(final=False)
+        except Exception as err:  # noqa: BLE001
+            self.capture_failed(err)
+
     def _enter_update(self, make: Any) -> bool:
         """Parameter gradients are taken first (an update may modify them: unscale_, clipping),
         then ``make(names)``'s update is current; False when nothing is being recorded."""
         try:
             self._emit_pending_backward()
-            self._emit_param_grads()
+            self._emit_param_grads(final=False)
             if self._updates is None or not self.recording or self.paused:
                 return False
             self._updates.begin(make(self._param_names()))
@@ -436,16 +459,27 @@ class ModuleHooks:
         if self.recording:
             self._touched[id(param)] = param
 
-    def _emit_param_grads(self) -> None:
-        """One ``param`` event per module whose parameters received gradients this step."""
+    def _emit_param_grads(self, final: bool = True) -> None:
+        """One ``param`` event per module whose parameters received gradients this step. Not
+        ``final`` (an update begins): a parameter whose gradient is not there yet stays pending
+        until the step ends (a ZeRO optimizer sets each param group's gradients just before that
+        group's update)."""
         if not self._touched or self.recorder is None:
             return
         by_module: Dict[tuple, list] = {}
-        for param in list(self._touched.values()):
+        waiting: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueDictionary()
+        for key, param in list(self._touched.items()):
             owner = self._param_owner.get(id(param))
-            if owner is not None and param.grad is not None:
-                by_module.setdefault(owner[:2], []).append((owner[2], param.grad))
-        self._touched = weakref.WeakValueDictionary()
+            grad = _gradient(param) if owner is not None else None
+            if grad is not None:
+                by_module.setdefault(owner[:2], []).append((owner[2], grad))
+                if grad is not param.grad and not self._grads_elsewhere:
+                    from .deepspeed import GRADIENT_SOURCE
+                    self._grads_elsewhere = True
+                    self.update_meta(param_grads_from=GRADIENT_SOURCE)
+            elif not final:
+                waiting[key] = param
+        self._touched = waiting
         if self.level == "op":
             by_module = {}
         self.paused = True

@@ -18,6 +18,10 @@ Rules (see docs/compare.md):
 * Every event ends up in exactly one place: a pair, or the unmatched list of its side.
 * A wrapper's prefix on one side (``module.`` of DDP/DeepSpeed/Megatron, ``_orig_mod.``,
   ``_fsdp_wrapped_module.``) is removed before matching (:mod:`.unwrap`), with a note.
+* A script's dump against a workload's: the script's own ops (at the root before the first
+  module call of the step, after its last backward module call, and parameter updates) are
+  left unmatched without being aligned, with a note: a workload's dump starts at the model's
+  call and has none of them.
 
 Structural checks raise :class:`~precisiondiff.errors.AlignmentError` (different steps,
 different ranks, or different models: too few events match).
@@ -190,13 +194,17 @@ def _merge_order(a: Sequence[EventRef], b: Sequence[EventRef], pairs: List[Pair]
     return order
 
 
-def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = True) -> Alignment:
+def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = True,
+                 script: Tuple[bool, bool] = (False, False)) -> Alignment:
     """Match the events of two dumps (one rank each).
 
     Args:
         a: the events of dump A (the DUT), ``index`` unique.
         b: the events of dump B (the reference).
         check: raise when the dumps obviously hold different models.
+        script: whether A, B were captured from a script (``capture --script``): against a
+            dump that is not, a script's own ops outside the model's calls are left unaligned
+            (:func:`_program_ops`, with a note).
 
     Returns:
         The :class:`Alignment`: every event of A and of B is in exactly one pair or in the
@@ -211,10 +219,16 @@ def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = 
         >>> [(p.a, p.b) for p in al.pairs], al.unmatched_a
         ([(0, 0)], [1])
     """
+    original = (a, b)
     a, b, notes = unwrap(a, b)
     pairs: List[Pair] = []
     un_a: List[int] = []
     un_b: List[int] = []
+    everything = (a, b)
+    a, b, left_out, more = _without_program_ops((a, b), original, script)
+    notes = more + notes
+    un_a.extend(left_out[0])
+    un_b.extend(left_out[1])
     # modules and params: exact identity
     b_ident: Dict[Tuple, int] = {}
     for e in b:
@@ -248,7 +262,52 @@ def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = 
     if check:
         check_same_structure(a, b, pairs)
     return Alignment(pairs=pairs, unmatched_a=sorted(un_a), unmatched_b=sorted(un_b),
-                     order=_merge_order(a, b, pairs, un_a, un_b), notes=notes)
+                     order=_merge_order(everything[0], everything[1], pairs, un_a, un_b), notes=notes)
+
+
+def _program_ops(events: Sequence[EventRef]) -> List[int]:
+    """The indices of a script's own ops: ops at the root path before the first module event of
+    their step (initialization) or, in a step with a backward, after its last backward module
+    event (an engine's gradient checks), and parameter-update ops; none in a step without module
+    events."""
+    first: Dict[int, int] = {}
+    last_backward: Dict[int, int] = {}
+    for e in events:
+        if e.kind == "module":
+            first[e.step] = min(first.get(e.step, e.seq), e.seq)
+            if e.direction == "backward":
+                last_backward[e.step] = max(last_backward.get(e.step, e.seq), e.seq)
+    out = []
+    for e in events:
+        if e.kind != "op" or e.step not in first:
+            continue
+        outside = e.seq < first[e.step] or (e.step in last_backward and e.seq > last_backward[e.step])
+        if e.direction == "optimizer" or (e.scope == "" and outside):
+            out.append(e.index)
+    return out
+
+
+def _without_program_ops(sides: Tuple[Sequence[EventRef], Sequence[EventRef]],
+                         original: Tuple[Sequence[EventRef], Sequence[EventRef]],
+                         script: Tuple[bool, bool]) -> tuple:
+    """A script side's own ops (:func:`_program_ops`, by the paths it recorded) are left out of
+    the alignment, unmatched, when the other side is not a script (a workload's dump records
+    from the model's call on). Returns ``(a, b, (left out of A, left out of B), notes)``."""
+    left: Tuple[List[int], List[int]] = ([], [])
+    out_sides = [list(sides[0]), list(sides[1])]
+    notes: List[str] = []
+    for me, label in ((0, "A"), (1, "B")):
+        if not script[me] or script[1 - me]:
+            continue
+        out = set(_program_ops(original[me]))
+        if not out:
+            continue
+        left[me].extend(sorted(out))
+        out_sides[me] = [e for e in out_sides[me] if e.index not in out]
+        notes.append(f"{label} (a script) holds {len(out)} ops of its own outside the model's calls (at the root "
+                     "before the first module call or after the last backward one: initialization, an engine's "
+                     "checks; parameter updates), which the other dump does not record: left unaligned")
+    return out_sides[0], out_sides[1], left, notes
 
 
 def _describe(e: EventRef) -> str:

@@ -58,7 +58,8 @@ def compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge:
     # full tensors gathered at capture are compared as their shards' rows against a single reference
     ev_a = [e for e in ev_a if keep(e) and not (judge.single_ref and e.kind == "gathered")]
     ev_b = [e for e in ev_b if keep(e)]
-    alignment: Alignment = align_events(_refs(ev_a), _refs(ev_b))
+    scripts = (da.meta.get("target") == "script", db.meta.get("target") == "script")
+    alignment: Alignment = align_events(_refs(ev_a), _refs(ev_b), script=scripts)
     notes.extend(n for n in alignment.notes if n not in notes)
     noise_of: Dict[int, Any] = {}
     if dn is not None:

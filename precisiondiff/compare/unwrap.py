@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, List, Sequence, Set, Tuple
 
-__all__ = ["WRAPPER_COMPONENTS", "WRAPPER_SCOPE", "unwrap"]
+__all__ = ["WRAPPER_COMPONENTS", "WRAPPER_SCOPE", "unwrap", "wrapper_prefix"]
 
 WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 WRAPPER_SCOPE = "(wrapper)"
@@ -165,3 +165,30 @@ def unwrap(a: Sequence, b: Sequence) -> Tuple[list, list, List[str]]:
                      f"unwrapped paths; the wrapper's own events are left unmatched")
         break  # one side is the wrapped one
     return sides[0], sides[1], notes
+
+
+def wrapper_prefix(recorded: Sequence[str], model: Sequence[str]) -> str:
+    """The wrapper prefix (``module``, ``module.module``, ``_orig_mod``...: wrapper attributes
+    only) under which every recorded module path is a path of ``model`` or the wrapper itself
+    (the path ``""`` or a level of the prefix), or ``""`` when none is needed or none fits.
+
+    Example:
+        >>> wrapper_prefix(["", "module", "module.fc"], ["", "fc"])
+        'module'
+        >>> wrapper_prefix(["", "fc"], ["", "fc"])
+        ''
+    """
+    known = set(model)
+    recorded = sorted(set(recorded))
+    if all(s in known for s in recorded):
+        return ""
+    prefix = max(recorded, key=lambda s: s.count(".")).split(".")  # every path must be under it
+    n = 0
+    while n < len(prefix) and prefix[n] in WRAPPER_ATTRIBUTES:
+        n += 1
+    for k in range(n, 0, -1):
+        p = ".".join(prefix[:k])
+        levels = {".".join(prefix[:j]) for j in range(k)}  # "" and the wrapper levels above the model
+        if all(s in levels or _strip(s, p) in known for s in recorded):
+            return p
+    return ""

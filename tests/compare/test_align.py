@@ -1,6 +1,7 @@
 """Alignment: hypothesis properties on random event sequences, and hand-written cases."""
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
 import pytest
@@ -157,3 +158,43 @@ def test_an_extra_cast_does_not_shift_a_repeated_pattern():
     # a cast between the same two matched ops on both sides is paired
     al = align_events(ops("mul _to_copy sum mul"), ops("mul _to_copy sum _to_copy mul"))
     assert len(al.pairs) == 4 and al.unmatched_a == [] and len(al.unmatched_b) == 1
+
+
+def aligns_as_plain(al, b, where) -> bool:
+    """Whether alignment ``al`` of A against ``b`` pairs exactly what ``b`` against itself pairs,
+    ``where[i]`` being the index in A of ``b``'s event i."""
+    plain = align_events(b, b, check=False)
+    return sorted((p.a, p.b, p.how) for p in al.pairs) == sorted((where[p.a], p.b, p.how) for p in plain.pairs)
+
+
+@st.composite
+def script_and_workload(draw):
+    """(A, B, where): B a workload's step (its root module's forward first, its backward last), A
+    the same step captured from a script: the script's own root ops before it (initialization),
+    after it (an engine's checks) and parameter updates; where[i] is the index in A of B's event i."""
+    body = draw(st.lists(event, max_size=30))
+    b = _renumber([("module", "", "Root", "forward", (1,))] + body + [("module", "", "Root", "backward", (1,))])
+    a, where = [], []
+    for i in range(draw(st.integers(0, 4))):
+        a.append(EventRef(len(a), len(a), "op", "", draw(st.sampled_from(OPS)), "forward", i))
+    for e in b:
+        where.append(len(a))
+        a.append(dataclasses.replace(e, index=len(a), seq=len(a)))
+    for i in range(draw(st.integers(0, 4))):
+        a.append(EventRef(len(a), len(a), "op", "", draw(st.sampled_from(OPS)), "forward", 100 + i))
+    for i in range(draw(st.integers(0, 2))):
+        a.append(EventRef(len(a), len(a), "op", "optimizer", "aten.add_", "optimizer", i))
+    return a, b, where
+
+
+@settings(max_examples=200, deadline=None)
+@given(script_and_workload())
+def test_a_scripts_own_ops_are_left_out_against_a_workload(abw):
+    a, b, where = abw
+    al = align_events(a, b, check=False, script=(True, False))
+    assert aligns_as_plain(al, b, where)
+    own = set(range(len(a))) - set(where)
+    assert own <= set(al.unmatched_a) and len(al.order) == len(a) + len(b) - len(al.pairs)
+    assert bool(own) == any("(a script)" in n for n in al.notes)
+    # both sides scripts, or neither: nothing is left out
+    assert not any("(a script)" in n for n in align_events(a, b, check=False, script=(True, True)).notes)

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precisiondiff.compare.align import EventRef, align_events
-from precisiondiff.compare.unwrap import WRAPPER_SCOPE, unwrap
+from precisiondiff.compare.unwrap import WRAPPER_SCOPE, unwrap, wrapper_prefix
 from precisiondiff.errors import AlignmentError
-from tests.compare.test_align import _renumber, event
+from tests.compare.test_align import _renumber, aligns_as_plain, event
 
 
 def _wrap_scope(scope: str, prefix: str, inner: bool) -> str:
@@ -48,9 +48,8 @@ wrapped = wrapped_with_prefix().map(lambda abwp: abwp[:3])
 @given(wrapped)
 def test_a_wrapped_side_aligns_as_the_unwrapped_one(abw):
     a, b, where = abw
-    plain = align_events(b, b, check=False)
     al = align_events(a, b, check=False)
-    assert sorted((p.a, p.b, p.how) for p in al.pairs) == sorted((where[p.a], p.b, p.how) for p in plain.pairs)
+    assert aligns_as_plain(al, b, where)
     wrapper_events = set(range(len(a))) - set(where)
     assert wrapper_events <= set(al.unmatched_a)
     if any(e.scope for e in b) or any(e.kind != "op" for e in b):
@@ -95,11 +94,10 @@ def _script_extras(a: list, prefix: str, n_roots: int, n_updates: int) -> list:
 @given(wrapped_with_prefix(), st.integers(0, 3), st.integers(0, 4))
 def test_script_roots_and_updates_on_the_wrapped_side_do_not_stop_unwrapping(abwp, n_roots, n_updates):
     a, b, where, prefix = abwp
-    plain = align_events(b, b, check=False)
     a = _script_extras(a, prefix, n_roots, n_updates)
     al = align_events(a, b, check=False)
     # every event of the model pairs as without the extras (they stay unmatched)
-    assert sorted((p.a, p.b, p.how) for p in al.pairs) == sorted((where[p.a], p.b, p.how) for p in plain.pairs)
+    assert aligns_as_plain(al, b, where)
     unwrapped = {e.index: e.scope for e in unwrap(a, b)[0]}
     for e in a[len(a) - 2 * n_roots - n_updates:]:
         if e.direction == "optimizer" and al.notes:
@@ -161,3 +159,14 @@ def test_a_megatron_style_wrapped_capture_compares_with_the_plain_reference(tmp_
     # only the wrapper's own events (its root module and its input cast) have no partner
     unmatched = {(row.scope, row.name) for row in cmp.rows if row.verdict == "unmatched"}
     assert unmatched and all(scope == "" for scope, _ in unmatched), unmatched
+
+
+@pytest.mark.parametrize("recorded, model, prefix", [
+    (["", "module", "module.fc"], ["", "fc"], "module"),
+    (["", "module", "module.module", "module.module.fc"], ["", "fc"], "module.module"),
+    (["", "fc"], ["", "fc"], ""),             # nothing to resolve
+    (["", "module", "module.other"], ["", "fc"], ""),  # another model: no prefix fits
+    (["", "encoder", "encoder.fc"], ["", "fc"], ""),   # a child of another name is not a wrapper
+])
+def test_the_wrapper_prefix_of_recorded_paths_in_a_model(recorded, model, prefix):
+    assert wrapper_prefix(recorded, model) == prefix
