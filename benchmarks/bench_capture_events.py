@@ -119,21 +119,39 @@ def breakdown(ops: int, repeats: int, tmp: str) -> None:
                         model(x)
         return go
 
-    real = stats_mod.StatsBatch.add, stats_mod.StatsBatch.get
+    from precisiondiff.capture import recorder as rec_mod
+
+    real = {(cls, name): getattr(cls, name) for cls, name in (
+        (stats_mod.StatsBatch, "add"), (stats_mod.StatsBatch, "get"), (rec_mod.Recorder, "add"),
+        (rec_mod.Recorder, "finish"))}
     const = {"min": 0.0, "max": 0.0, "mean": 0.0, "abs_mean": 0.0, "norm": 0.0, "nan": 0, "inf": 0,
              "fingerprint": "0" * 32}
 
-    def no_stats():
-        stats_mod.StatsBatch.add = lambda self, t, snapshot=None: 0
-        stats_mod.StatsBatch.get = lambda self, handle: const
-        try:
-            run(sink="memory")()
-        finally:
-            stats_mod.StatsBatch.add, stats_mod.StatsBatch.get = real
+    def stubbed(*names):
+        """The capture into memory with these parts replaced by a no-op (statistics: a constant)."""
+        stubs = {"stats": [(stats_mod.StatsBatch, "add", lambda self, t, snapshot=None: 0),
+                           (stats_mod.StatsBatch, "get", lambda self, handle: const)],
+                 "add": [(rec_mod.Recorder, "add", lambda self, event, slot, t, store=True, fresh=False: None)],
+                 "finish": [(rec_mod.Recorder, "finish", lambda self, event, args=None: None)]}
 
+        def go():
+            for name in names:
+                for cls, attr, stub in stubs[name]:
+                    setattr(cls, attr, stub)
+            try:
+                run(sink="memory")()
+            finally:
+                for (cls, attr), f in real.items():
+                    setattr(cls, attr, f)
+        return go
+
+    # each row adds one part of capture to the row above it
     variants = {"plain op": run(), "empty TorchDispatchMode": run(mode=Empty),
-                "capture into memory, statistics stubbed": no_stats,
-                "capture into memory": run(sink="memory"), "capture into a dump": run(sink="dump")}
+                "capture's mode: dispatch bookkeeping only": stubbed("add", "finish", "stats"),
+                "+ Recorder.add (statistics stubbed)": stubbed("finish", "stats"),
+                "+ statistics (StatsBatch.add)": stubbed("finish"),
+                "+ finish, read-back, event records": run(sink="memory"),
+                "+ into a dump instead of memory": run(sink="dump")}
     times = {k: [] for k in variants}
     for f in variants.values():
         f()

@@ -431,6 +431,7 @@ class Recorder:
         self._stats.resolve()
         pending, self._pending = self._pending, []
         get = self._stats.get
+        results = self._stats._results  # every handle of this batch is there after resolve()
         batch = []
         rank = self.rank
         multi = self.multi_step
@@ -441,9 +442,9 @@ class Recorder:
                 f"{ev.scope}/{ev.name}#{ev.call}:{ev.direction}:"
             for slot, dtype, shape, data_key, handle, extra in ev.tensors:
                 name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
+                stats = None if handle is None else (results.get(handle) or get(handle))
                 record = {"key": prefix + slot, "slot": slot, "dtype": name,
-                          "shape": list(shape), "stats": get(handle) if handle is not None else None,
-                          "data_key": data_key}
+                          "shape": list(shape), "stats": stats, "data_key": data_key}
                 if extra:
                     record.update(extra)
                     if _INT64_ON_DEVICE in extra:
