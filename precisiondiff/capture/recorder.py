@@ -405,7 +405,11 @@ class Recorder:
             self._by_base = {k: v for k, v in ((k, [e for e in v if e[0] in kept])
                                                for k, v in self._by_base.items()) if v}
         if len(self._unindexed) > 4 * self.dedup_window:
-            self._unindexed = [i for i in self._unindexed if i in self._seen]
+            # once: freed memory reused by a new tensor of the same layout gives an identity equal
+            # to an old one, so without dropping repeats the list stayed long and was rebuilt at
+            # every add (O(window) each) on any step recording more than 4 windows of tensors
+            seen = self._seen
+            self._unindexed = [i for i in dict.fromkeys(self._unindexed) if i in seen]
 
     def slot_of(self, event: PendingEvent, t: torch.Tensor) -> str:
         """The slot a tensor of this event was recorded under (for replay arguments)."""
