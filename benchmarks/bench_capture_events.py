@@ -1,6 +1,6 @@
 """Per-event capture cost on a model of many tiny ops, and module-level capture on 12 blocks.
 
-    python benchmarks/bench_capture_events.py [--ops 2000] [--repeats 5] [--profile]
+    python benchmarks/bench_capture_events.py [--ops 2000] [--repeats 5] [--profile] [--breakdown] [--long 20000]
 
 Part 1: a forward of ``--ops`` elementwise ops on 64-element float32 tensors (no module
 boundaries inside), plain vs op-level statistics capture into a dump; the capture session is
@@ -90,6 +90,52 @@ def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool, memory: bool = Fal
           f"op/stats capture {c * 1e3:.2f} ms, {per:.1f} us per recorded op event (goal <= 10)")
 
 
+def long_capture(ops: int, repeats: int) -> None:
+    """One session over ``ops`` tiny ops, as a long step or training run records them: the
+    de-duplication window full, the garbage collector's full collections included (a min over
+    short runs leaves those out). Events go nowhere (a sink that drops them), so only capture's
+    own objects stay alive. Prints microseconds per op event, total, median of the repeats."""
+    import gc
+
+    class Drop(cap_mod.MemorySink):
+        def write_event(self, event, data) -> None:
+            pass
+
+    model = TinyOps(ops)
+    x = torch.randn(64)
+    full = [0, 0.0]
+    start = [0.0]
+
+    def count(phase, info):
+        if info["generation"] == 2:
+            if phase == "start":
+                start[0] = time.perf_counter()
+            else:
+                full[0] += 1
+                full[1] += time.perf_counter() - start[0]
+
+    def captured(rep):
+        with cap_mod.capture(None, model=model, level="op", mode="stats", sink=Drop()):
+            with torch.no_grad():
+                model(x)
+
+    def plain():
+        with torch.no_grad():
+            model(x)
+
+    gc.callbacks.append(count)
+    stat = globals()["STAT"]
+    try:
+        globals()["STAT"] = statistics.median  # every repeat counts: full collections are part of the cost
+        p, c = _median_pair(plain, captured, repeats)
+    finally:
+        globals()["STAT"] = stat
+        gc.callbacks.remove(count)
+    print(f"long capture: {ops} ops in one session: plain {p * 1e3:.1f} ms, op/stats capture {c * 1e3:.1f} ms, "
+          f"{(c - p) / ops * 1e6:.1f} us per recorded op event; full collections {full[0]} "
+          f"({full[1] * 1e3:.0f} ms wall in all, {repeats + 1} captures; median of {repeats})")
+
+
 def breakdown(ops: int, repeats: int, tmp: str) -> None:
     """Where a recorded op event's time goes: the same forward under progressively more of capture
     (statistics stubbed out by a constant: what the rest of the recorder costs without them)."""
@@ -119,21 +165,39 @@ def breakdown(ops: int, repeats: int, tmp: str) -> None:
                         model(x)
         return go
 
-    real = stats_mod.StatsBatch.add, stats_mod.StatsBatch.get
+    from precisiondiff.capture import recorder as rec_mod
+
+    real = {(cls, name): getattr(cls, name) for cls, name in (
+        (stats_mod.StatsBatch, "add"), (stats_mod.StatsBatch, "get"), (rec_mod.Recorder, "add"),
+        (rec_mod.Recorder, "finish"))}
     const = {"min": 0.0, "max": 0.0, "mean": 0.0, "abs_mean": 0.0, "norm": 0.0, "nan": 0, "inf": 0,
              "fingerprint": "0" * 32}
 
-    def no_stats():
-        stats_mod.StatsBatch.add = lambda self, t, snapshot=None: 0
-        stats_mod.StatsBatch.get = lambda self, handle: const
-        try:
-            run(sink="memory")()
-        finally:
-            stats_mod.StatsBatch.add, stats_mod.StatsBatch.get = real
+    def stubbed(*names):
+        """The capture into memory with these parts replaced by a no-op (statistics: a constant)."""
+        stubs = {"stats": [(stats_mod.StatsBatch, "add", lambda self, t, snapshot=None: 0),
+                           (stats_mod.StatsBatch, "get", lambda self, handle: const)],
+                 "add": [(rec_mod.Recorder, "add", lambda self, event, slot, t, store=True, fresh=False: None)],
+                 "finish": [(rec_mod.Recorder, "finish", lambda self, event, args=None: None)]}
 
+        def go():
+            for name in names:
+                for cls, attr, stub in stubs[name]:
+                    setattr(cls, attr, stub)
+            try:
+                run(sink="memory")()
+            finally:
+                for (cls, attr), f in real.items():
+                    setattr(cls, attr, f)
+        return go
+
+    # each row adds one part of capture to the row above it
     variants = {"plain op": run(), "empty TorchDispatchMode": run(mode=Empty),
-                "capture into memory, statistics stubbed": no_stats,
-                "capture into memory": run(sink="memory"), "capture into a dump": run(sink="dump")}
+                "capture's mode: dispatch bookkeeping only": stubbed("add", "finish", "stats"),
+                "+ Recorder.add (statistics stubbed)": stubbed("finish", "stats"),
+                "+ statistics (StatsBatch.add)": stubbed("finish"),
+                "+ finish, read-back, event records": run(sink="memory"),
+                "+ into a dump instead of memory": run(sink="dump")}
     times = {k: [] for k in variants}
     for f in variants.values():
         f()
@@ -182,6 +246,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("ops", "blocks"), default=None)
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the tiny-ops forward under an empty dispatch mode and with statistics stubbed")
+    parser.add_argument("--long", type=int, default=0, metavar="OPS",
+                        help="also one session over OPS tiny ops (e.g. 20000): full collections included")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: process CPU time, every thread (steadier when other jobs share the cores)")
     parser.add_argument("--stat", choices=("median", "min"), default="median")
@@ -199,6 +265,8 @@ def main() -> None:
             tiny_ops(args.ops, args.repeats, tmp, False, memory=True)
             if args.breakdown:
                 breakdown(args.ops, args.repeats, tmp)
+            if args.long:
+                long_capture(args.long, max(1, args.repeats // 3))
         if args.only in (None, "blocks"):
             twelve_blocks(args.repeats, tmp)
 

@@ -243,3 +243,41 @@ def stats_bf16(address, n, infinities, table, cumulative, out, fps, row):  # pra
 def stats_f16(address, n, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
     bits = numba.carray(_pointer(address), n, np.int16)
     _stats(bits.view(np.uint16), bits, infinities, table, cumulative, out, fps, row)
+
+
+# The same entry points with every array as an address (``*_at``): numba checks the type of
+# each NumPy argument on every call (~0.25 us apiece), which integers skip. ``out`` and ``fps``
+# point at the row to fill (7 float64, 2 int64); ``infinities`` at the two keys, ``table`` at
+# the PERIOD salts, ``cumulative`` at their PERIOD + 1 prefix sums.
+
+
+@_jit
+def stats_f32_at(address, n, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    values = numba.carray(_pointer(address), n, np.float32)
+    _stats(values, values.view(np.int32), numba.carray(_pointer(infinities), 2, np.int32),
+           numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
+           numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+
+
+@_jit
+def stats_f64_at(address, n, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    values = numba.carray(_pointer(address), n, np.float64)
+    _stats(values, values.view(np.int64), numba.carray(_pointer(infinities), 2, np.int64),
+           numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
+           numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+
+
+@_jit
+def stats_bf16_at(address, n, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    bits = numba.carray(_pointer(address), n, np.int16)
+    _stats(bits, bits, numba.carray(_pointer(infinities), 2, np.int16),
+           numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
+           numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+
+
+@_jit
+def stats_f16_at(address, n, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    bits = numba.carray(_pointer(address), n, np.int16)
+    _stats(bits.view(np.uint16), bits, numba.carray(_pointer(infinities), 2, np.int16),
+           numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
+           numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)

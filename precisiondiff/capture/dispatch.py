@@ -144,6 +144,7 @@ try:  # what torch._disable_dynamo around __torch_dispatch__ does, without its P
 except ImportError:  # pragma: no cover - a PyTorch without dynamo: TorchDispatchMode's own wrapper
     _set_eval_frame = _skip_code = None
 _set_grad_enabled = torch._C._set_grad_enabled
+_is_grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 
 
@@ -318,7 +319,7 @@ class OpCaptureMode(TorchDispatchMode):
             kwargs = {}
         # A failure of capture itself (statistics, a full disk) never reaches the workload: the op
         # runs exactly once whatever happens here, and the session notes the error and stops.
-        grad = torch.is_grad_enabled()
+        grad = _is_grad_enabled()
         if grad:
             _set_grad_enabled(False)
         try:
@@ -335,7 +336,10 @@ class OpCaptureMode(TorchDispatchMode):
         try:
             if info.writes or info.collective or self._pending:
                 self._wrote(info, args, kwargs, out)
-            self._outputs(func, info, event, args, kwargs, out)
+            if info.collective:
+                self._outputs(func, info, event, args, kwargs, out)
+            else:
+                self._record_outputs(func, info, event, args, kwargs, out, info.mutable)
         except Exception as err:  # noqa: BLE001
             session.capture_failed(err)
         finally:

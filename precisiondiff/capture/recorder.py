@@ -225,6 +225,7 @@ class Recorder:
         """
         # The hot path of capture (every tensor of every op): no key strings here (built when
         # the event is emitted, and only in tensors/replay mode when the data is stored now).
+        # ``device.type`` costs ~1 us (a new string each time): devices are looked up in a dict.
         last = self._last
         if last is not None and t is last[0] and not fresh:
             # the tensor recorded last (an op's input is most often the previous op's output),
@@ -237,10 +238,19 @@ class Recorder:
             # ``t.data = other`` swaps the memory under the same tensor and version counter
             if version == last[1] and (last[3] is not None or not (store and self._stores)) \
                     and t.data_ptr() == ident[1]:
-                if ident[0].type != "cpu":
+                name = last[5]
+                if name != "cpu":
                     self._streams.note(ident[0])
                 event.tensors.append((slot, ident[4], ident[2], last[3], last[4], None))
-                return self._note_slot(event, slot, t, ident[0])
+                slots = event.slots
+                if id(t) not in slots:
+                    slots[id(t)] = slot
+                if not event.output_seen:
+                    if slot[0] == "o" and slot.startswith("output"):
+                        event.device, event.output_seen = name, True
+                    elif event.device is None:
+                        event.device = name
+                return None
         original, extra = t, None
         cls = type(t)
         if (cls is not _Tensor and cls is not _Parameter) or t.is_meta:
@@ -253,7 +263,8 @@ class Recorder:
         if stores and t.dtype not in SUPPORTED_DTYPES:
             stores, extra = False, {**(extra or {}), "not_stored": "no dump encoding for this dtype"}
         device = t.device
-        if device.type != "cpu":
+        name = _DEVICE_NAMES.get(device) or _device_name(device)
+        if name != "cpu":
             self._streams.note(device)
             if t.dtype is _F64 or t.dtype is _I64:
                 marks = _conversion_marks(device, t.dtype)
@@ -298,7 +309,7 @@ class Recorder:
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
             # (not for inference tensors: without a version counter an in-place change is invisible)
             numel = t.numel()
-            content = (device, ident[1], numel, ident[4], ident[5]) \
+            content = (device, ptr, numel, ident[4], version) \
                 if not fresh and t.is_contiguous() else None
             same = self._same_content.get(content) if content is not None else None
             if same is not None:
@@ -309,7 +320,7 @@ class Recorder:
                     # keeping the tensor alive keeps its memory from being reused meanwhile
                     # (the same tensor as the _seen entry below: its bytes are counted there)
                     self._same_content[content] = (t, handle)
-            if ident[5] != -1:
+            if version != -1:
                 seen_map[ident] = (t, data_key, handle)
                 self._unindexed.append(ident)
                 self._kept_bytes += numel * t.element_size()
@@ -317,20 +328,16 @@ class Recorder:
                     self._evict()
         event.tensors.append((slot, ident[4], ident[2], data_key, handle, extra))
         if extra is None and version != -1:
-            self._last = (t, version, ident, data_key, handle)
-        self._note_slot(event, slot, original, device)
-
-    @staticmethod
-    def _note_slot(event: PendingEvent, slot: str, original: torch.Tensor, device: torch.device) -> None:
+            self._last = (t, version, ident, data_key, handle, name)
         slots = event.slots
         if id(original) not in slots:
             slots[id(original)] = slot  # an in-place op returns its input: args name the input
-        if event.output_seen:
-            return
-        if slot[0] == "o" and slot.startswith("output"):
-            event.device, event.output_seen = _device_name(device), True
-        elif event.device is None:
-            event.device = _device_name(device)
+        if not event.output_seen:
+            if slot[0] == "o" and slot.startswith("output"):
+                event.device, event.output_seen = name, True
+            elif event.device is None:
+                event.device = name
+        return None
 
     def _key(self, event: PendingEvent, slot: str) -> str:
         # Keys carry the step when the dump holds several: always for an explicit multi-step
@@ -398,7 +405,11 @@ class Recorder:
             self._by_base = {k: v for k, v in ((k, [e for e in v if e[0] in kept])
                                                for k, v in self._by_base.items()) if v}
         if len(self._unindexed) > 4 * self.dedup_window:
-            self._unindexed = [i for i in self._unindexed if i in self._seen]
+            # once: freed memory reused by a new tensor of the same layout gives an identity equal
+            # to an old one, so without dropping repeats the list stayed long and was rebuilt at
+            # every add (O(window) each) on any step recording more than 4 windows of tensors
+            seen = self._seen
+            self._unindexed = [i for i in dict.fromkeys(self._unindexed) if i in seen]
 
     def slot_of(self, event: PendingEvent, t: torch.Tensor) -> str:
         """The slot a tensor of this event was recorded under (for replay arguments)."""
@@ -424,6 +435,7 @@ class Recorder:
         self._stats.resolve()
         pending, self._pending = self._pending, []
         get = self._stats.get
+        results = self._stats._results  # every handle of this batch is there after resolve()
         batch = []
         rank = self.rank
         multi = self.multi_step
@@ -434,9 +446,9 @@ class Recorder:
                 f"{ev.scope}/{ev.name}#{ev.call}:{ev.direction}:"
             for slot, dtype, shape, data_key, handle, extra in ev.tensors:
                 name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
+                stats = None if handle is None else (results.get(handle) or get(handle))
                 record = {"key": prefix + slot, "slot": slot, "dtype": name,
-                          "shape": list(shape), "stats": get(handle) if handle is not None else None,
-                          "data_key": data_key}
+                          "shape": list(shape), "stats": stats, "data_key": data_key}
                 if extra:
                     record.update(extra)
                     if _INT64_ON_DEVICE in extra:

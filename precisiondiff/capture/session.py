@@ -14,6 +14,7 @@ stops recording, becomes a note in ``meta.json`` (``capture_errors``) and a
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import warnings
@@ -39,6 +40,23 @@ log = logging.getLogger(__name__)
 
 class CaptureWarning(UserWarning):
     """Capture stopped recording because of an error of its own; the workload ran on."""
+
+
+def _freeze_heap() -> bool:
+    """Keep the objects alive when capture starts out of the cycle collector's scans until it
+    ends (``gc.freeze``); True if frozen here.
+
+    Capture keeps thousands of small records alive for a while (the de-duplication window, a
+    batch of events), so the collector promotes them to its oldest generation, and every ~10k op
+    events that started a full collection of the whole process: 0.4-0.6 s with PyTorch imported
+    (~60 us per op event over a long capture). Frozen, a full collection scans only what was
+    allocated since. Objects already alive are not collected meanwhile (a cycle among them that
+    becomes garbage during capture is collected after it). Left alone when the program froze
+    objects itself or turned the collector off."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        return False
+    gc.freeze()
+    return True
 
 
 def _compiled(model: nn.Module) -> Optional[str]:
@@ -121,6 +139,7 @@ class CaptureSession(ModuleHooks):
         self.recorder: Optional[Recorder] = None
         self._wanted_step = -1
         self._wanted = False
+        self._froze = False  # gc.freeze() by this session (_freeze_heap)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -187,6 +206,7 @@ class CaptureSession(ModuleHooks):
         except BaseException:
             self._remove_hooks()
             raise
+        self._froze = _freeze_heap()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -227,6 +247,9 @@ class CaptureSession(ModuleHooks):
         except Exception as err:  # noqa: BLE001
             self.capture_failed(err)
         self._closed = True  # graph hooks still attached to live tensors fire into nothing
+        if self._froze:
+            self._froze = False
+            gc.unfreeze()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

@@ -25,7 +25,7 @@ import torch
 from .. import _numba
 from ..store.fingerprint import PERIOD, salts
 
-__all__ = ["AVAILABLE", "fused_stats", "stats_into", "supports"]
+__all__ = ["AVAILABLE", "fused_stats", "stats_into", "stats_at", "supports"]
 
 _log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _INFINITIES = {dtype: _infinity_keys(dtype) for dtype in _KINDS}
 _ENTRIES = {torch.float32: "stats_f32", torch.float64: "stats_f64", torch.bfloat16: "stats_bf16",
             torch.float16: "stats_f16"}
+_LOADED: dict = {}  # dtype -> its compiled entry point, once the kernels are imported
+_LOADED_AT: dict = {}  # dtype -> (its ``*_at`` entry point, the address of its infinities' keys)
+_TABLES_AT = (_TABLE.ctypes.data, _CUMULATIVE.ctypes.data)
 # tensors whose data_ptr() holds their values; a subclass goes through DLPack, which asks it
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
@@ -88,10 +91,13 @@ def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> N
             negative views), or the kernel failed (then :data:`AVAILABLE` becomes False): use
             the eager path.
     """
-    k = _kernels()
-    if k is None:
-        raise RuntimeError("numba is not available")
     dtype = t.dtype
+    entry = _LOADED.get(dtype)
+    if entry is None:
+        k = _kernels()
+        if k is None:
+            raise RuntimeError("numba is not available")
+        entry = _LOADED[dtype] = getattr(k, _ENTRIES[dtype])
     if type(t) in _PLAIN and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
         data, address, n = t, t.data_ptr(), t.numel()
     else:  # a row-major copy made by NumPy (no PyTorch op), or a subclass's memory through DLPack
@@ -102,12 +108,46 @@ def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> N
     if not address:
         raise RuntimeError("the tensor has no memory of its own")
     try:  # ``data`` holds the memory while the kernel reads it
-        getattr(k, _ENTRIES[dtype])(address, n, _INFINITIES[dtype], _TABLE, _CUMULATIVE, out, fps, row)
+        entry(address, n, _INFINITIES[dtype], _TABLE, _CUMULATIVE, out, fps, row)
     except Exception as err:  # noqa: BLE001 - a kernel that fails to compile (another numba) or run
-        global AVAILABLE
-        AVAILABLE = False  # the eager path from now on: capture never raises into the workload
-        _log.warning("the fused statistics kernel failed (%s): using PyTorch", err)
-        raise RuntimeError(f"the fused statistics kernel failed: {err}") from err
+        _failed(err)
+
+
+def stats_at(t: torch.Tensor, out: int, fps: int) -> bool:
+    """:func:`stats_into` for a plain contiguous tensor, the results' row given by address:
+    ``out`` of 7 float64, ``fps`` of 2 int64 (what the caller's arrays hold at that row).
+
+    The per-event path's entry point: every argument an integer, which numba checks faster than
+    arrays. Returns False, writing nothing, for a tensor it does not take (a subclass, a strided
+    or negative view, no memory): :func:`stats_into` handles those. Raises as :func:`stats_into`
+    when the kernel fails."""
+    dtype = t.dtype
+    entry = _LOADED_AT.get(dtype)
+    if entry is None:
+        k = _kernels()
+        if k is None:
+            raise RuntimeError("numba is not available")
+        entry = _LOADED_AT[dtype] = (getattr(k, _ENTRIES[dtype] + "_at"), _INFINITIES[dtype].ctypes.data)
+    # (real dtypes only here: no conjugate views)
+    if type(t) not in _PLAIN or not t.is_contiguous() or t.is_neg():
+        return False
+    address = t.data_ptr()
+    if not address:
+        return False
+    try:  # the caller holds ``t`` (and so its memory) while the kernel reads it
+        entry[0](address, t.numel(), entry[1], _TABLES_AT[0], _TABLES_AT[1], out, fps)
+    except Exception as err:  # noqa: BLE001 - as in stats_into
+        _failed(err)
+    return True
+
+
+def _failed(err: Exception) -> None:
+    global AVAILABLE
+    AVAILABLE = False  # the eager path from now on: capture never raises into the workload
+    _LOADED.clear()
+    _LOADED_AT.clear()
+    _log.warning("the fused statistics kernel failed (%s): using PyTorch", err)
+    raise RuntimeError(f"the fused statistics kernel failed: {err}") from err
 
 
 def _array(t: torch.Tensor) -> np.ndarray:

@@ -197,3 +197,36 @@ def test_cli_durable_flag_reaches_the_writer(tmp_path, monkeypatch, flag):
     assert res.exit_code == 0, res.output
     assert seen == [bool(flag)]
     assert store.load(out).complete and os.path.isdir(out)
+
+
+def test_the_dedup_windows_unindexed_list_stays_bounded_when_memory_is_reused():
+    """Freed memory reused by a new tensor of the same layout gives an identity equal to an
+    evicted one: pruning must drop the repeats, or the list stays long and is rebuilt at every
+    add (O(window) each). What a later write forgets is unchanged (test_a_tensor_changed_in_place_is_measured_again)."""
+    from precisiondiff.capture.recorder import Recorder
+    rec = Recorder(MemorySink(), dedup_window=8)
+    event = rec.begin("op", "", "x", "forward")
+    buffers = [torch.zeros(16) for _ in range(9)]  # one more than the window: each is evicted, then seen again
+    prunes, length = 0, 0
+    for i in range(400):
+        rec.add(event, "output.0", buffers[i % 9].view(16))  # a new tensor, the same identity
+        prunes += len(rec._unindexed) < length
+        length = len(rec._unindexed)
+    assert len(rec._seen) <= 8 and length <= 4 * 8 + 1
+    assert prunes <= 400 // (3 * 8) + 1  # pruned to what the window holds, not just under the bound
+
+
+def test_capture_freezes_the_heap_only_while_it_runs_and_only_if_nobody_else_did():
+    import gc
+    assert gc.get_freeze_count() == 0
+    with capture(level="op", mode="stats", sink=MemorySink()):
+        assert gc.get_freeze_count() > 0  # what was alive before is out of the collector's scans
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with capture(level="op", mode="stats", sink=MemorySink()):
+            pass
+        assert gc.get_freeze_count() == frozen  # the program's own freeze is left alone
+    finally:
+        gc.unfreeze()

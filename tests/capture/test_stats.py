@@ -174,6 +174,8 @@ def test_a_failing_kernel_turns_the_fast_path_off_and_capture_goes_on(monkeypatc
             return fail
 
     monkeypatch.setattr(stats_kernel, "_loader", lambda: Broken())
+    monkeypatch.setattr(stats_kernel, "_LOADED", {})  # the entry points already looked up
+    monkeypatch.setattr(stats_kernel, "_LOADED_AT", {})
     monkeypatch.setattr(stats_kernel, "AVAILABLE", True)
     t = torch.randn(100)
     f, e = _both(t)
