@@ -64,6 +64,8 @@ class EngineInput:
         peer_device, peer_name: a real second implementation (``bisect --peer cpu/bf16``): where
             the emulated peers are computed for an op, it is replayed there too on the DUT's own
             inputs, and its error joins theirs (``peer.peers[peer_name]``, ``peer.real_peer``).
+        rule: the op rule, ``"peer"`` or ``"mlu-ops"`` (judge.py :func:`judge_tensor`; with a real
+            peer, mlu-ops' baseline is that peer).
     """
 
     events: List[UnitEvent]
@@ -83,6 +85,7 @@ class EngineInput:
     accept: Sequence[Any] = ()
     peer_device: Optional[str] = None
     peer_name: str = ""
+    rule: str = "peer"
 
 
 @dataclass
@@ -309,12 +312,14 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int],
             found[inp.peer_name] = rep.on_device(inp.peer_device)
         return found
     try:
-        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
+        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides,
+                                rule=inp.rule, real_peer=inp.peer_name if inp.peer_device is not None else None)
     except _NeedsMagnitude:
         rep.magnitudes = rep.magnitudes_of()
         _count(counter, "op_magnitude", 1)
         outputs = _op_outputs(ev, rep, in_dtypes)
-        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
+        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides,
+                                rule=inp.rule, real_peer=inp.peer_name if inp.peer_device is not None else None)
     return _op_verdict(ev, inp, outputs, oj)
 
 

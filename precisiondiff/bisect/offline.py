@@ -108,7 +108,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 prepare: Optional[Callable[[List[UnitEvent]], List[UnitEvent]]] = None,
                 accept: Optional[Sequence[str]] = None,
                 allow_narrowed: bool = False, repro: "str | Path | None" = None,
-                max_elements: Optional[int] = None, peer: "str | Target | None" = None) -> BisectResult:
+                max_elements: Optional[int] = None, peer: "str | Target | None" = None,
+                rule: str = "peer") -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -132,6 +133,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT's dtype: ops whose
             peers are needed are also replayed there from the dump's inputs (docs/bisect.md,
             "A real peer").
+        rule: ``"peer"`` or ``"mlu-ops"`` (see :func:`precisiondiff.bisect.bisect`).
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -145,7 +147,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     """
     from ..runtime.workload import load_workload
     from .cost import cost_figures, step_cost
-    from .live import check_options, peer_of, run_reference
+    from .live import check_options, peer_of, rule_of, run_reference
     overrides = check_options(direction, budgets)
     accepts = resolve_accepts(accept)
     started = time.perf_counter()
@@ -159,11 +161,12 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     peer_device, peer_name = peer_of(peer, dut)
+    rule_notes = rule_of(rule, peer_device)
     every = events_from_dump(dump, all_steps=prepare is None)  # training steps: each one judged
     if prepare is not None:
         every = prepare(every)
     events = [e for e in every if e.step == every[0].step] if every else every
-    notes: List[str] = [ref_note] if ref_note else []
+    notes: List[str] = ([ref_note] if ref_note else []) + rule_notes
     if not meta.get("arg_layouts"):
         notes.append("the dump records no argument layouts (captured before they were recorded): ops replay "
                      "on contiguous copies, so a kernel with a layout-dependent path may round differently")
@@ -197,7 +200,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         module_of=modules.get if modules else None,
         module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(step_events), direction=direction, max_candidates=max_candidates,
-        progress=progress, overrides=overrides, accept=accepts, peer_device=peer_device, peer_name=peer_name))
+        progress=progress, overrides=overrides, accept=accepts, peer_device=peer_device, peer_name=peer_name,
+        rule=rule))
     if ref_dump is None and wl is not None:  # after the search: only the culprit's scope is kept
         culprit_ev = out.units[out.finding.culprit] if out.finding.culprit is not None else None
         ref_result, ref_tensor, ref_notes = run_reference(wl, ref_t, events, evidence_for=culprit_ev)

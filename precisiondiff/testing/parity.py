@@ -333,7 +333,7 @@ def _abs_inputs(value: Any) -> Any:
 def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None" = None,
              ref: "str | Target | None" = None, name: Optional[str] = None,
              kwargs: Optional[Dict[str, Any]] = None, dump_dir: Optional[str] = None,
-             peer: "str | Target | None" = None, **budgets: Any) -> ParityResult:
+             peer: "str | Target | None" = None, rule: str = "peer", **budgets: Any) -> ParityResult:
     """Run one function or op on the DUT and on the reference (the DUT's inputs, upcast).
 
     With no budget given, each floating output is judged by the peer rule, as bisect judges a
@@ -354,6 +354,9 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT dtype: where the
             peers are computed, ``fn`` also runs there on the DUT's inputs and its error joins
             theirs (docs/bisect.md, "A real peer").
+        rule: ``"peer"`` (default) or ``"mlu-ops"``: Cambricon mlu-ops' acceptance rule, its
+            baseline ``peer`` or, without one, the emulated peers (docs/comparators.md, "The mlu-ops
+            rule"); each check's ``bound["rule"]`` says which decided.
         **budgets: ``max_ulp`` (per element, ULPs of the DUT dtype), ``rel_l2``, ``min_cosine``;
             with none, the peer rule judges.
 
@@ -367,6 +370,9 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     from ..comparators import op_class
     from ..comparators.accumulation import LastOp, magnitude_op
     from ..comparators.peers import compute_dtype, judge_against_peers
+    from ..comparators.mlu_ops import RULES
+    if rule not in RULES:
+        raise ValueError(f"check_op: unknown rule {rule!r}; use one of {', '.join(RULES)}")
     dut = Target.parse(target) if target is not None else default_dut()
     golden = Target.parse(ref) if ref is not None else default_ref()
     dut.check_available()
@@ -396,6 +402,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     outs = _keyed_outputs(actual)
     in_dtypes = [t.dtype for t in _tensors(dut_in) if t.is_floating_point()]
     peers: Optional[Dict[str, List[Optional[torch.Tensor]]]] = None
+    peers_box: List[Any] = []  # the mlu-ops rule's peers, computed once when first needed
     failed: Dict[int, Any] = {}  # output index -> (peer verdict, magnitude, k, compute dtype)
     for index, (key, out) in enumerate(outs):
         exp = expected_by_key[key]
@@ -415,6 +422,11 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
                                              "" if verdict.passed else verdict.message))
             continue
         cdt = compute_dtype(out.dtype, in_dtypes)
+        if rule == "mlu-ops":
+            rule_op = str(last.op) if last.count == 1 and last.op is not None else name
+            result.checks.append(_check_mlu_ops(key, out, exp, index, rule_op, fn, dut_in, golden, outs, dut_op, real_peer,
+                                                peers_box))
+            continue
         pv = judge_against_peers(out.detach(), exp.detach(), {}, magnitude=mag, k=k, dtype=cdt, what=key)
         if not pv.passed:
             if peers is None:
@@ -435,6 +447,23 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         result.dumps["repro"] = _write_op_repro(fn, dut_in, outs, expected_by_key, failed, dut, golden,
                                                 os.path.join(dump_dir, "repro"))
     return result
+
+
+def _check_mlu_ops(key: str, out: torch.Tensor, exp: torch.Tensor, index: int, op: str, fn: Callable[..., Any],
+                   dut_in: Any, golden: Target, outs: List[Tuple[str, torch.Tensor]], dut_op: Any,
+                   real_peer: Optional[Tuple[Optional[str], str]], peers_box: List[Any]) -> TensorCheck:
+    """One output of ``check_op(..., rule="mlu-ops")``: the static thresholds first, then the
+    dynamic one against the baseline (the real peer, or the emulated peers)."""
+    from ..comparators.mlu_ops import judge_mlu_ops
+    real = real_peer[1] if real_peer is not None and real_peer[0] is not None else None
+    verdict = judge_mlu_ops(out, exp, {}, op=op, real_peer=real, what=key)
+    if not verdict.passed:
+        if not peers_box:
+            peers_box.append(_op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op, real_peer))
+        found = {n: (p[index] if index < len(p) else None) for n, p in peers_box[0].items()}
+        verdict = judge_mlu_ops(out, exp, found, op=op, real_peer=real, what=key)
+    shown = verdict.as_dict()
+    return TensorCheck(key, verdict.passed, _metrics(out, exp), shown, verdict.message)
 
 
 def _write_op_repro(fn: Any, dut_in: Any, outs: List[Tuple[str, torch.Tensor]], expected: Dict[str, torch.Tensor],
