@@ -146,9 +146,10 @@ def judge_tensor(rule: str, name: str, out: OpOutput, peers: Dict[str, Any], rea
     if rule == "mlu-ops":
         from ..comparators.mlu_ops import judge_mlu_ops
         return judge_mlu_ops(out.dut, out.golden, peers, op=name, real_peer=real_peer, what=out.slot)
+    from ..comparators.accumulation import rounds_partial_sums
     from ..comparators.peers import judge_against_peers
     return judge_against_peers(out.dut, out.golden, peers, magnitude=out.magnitude, k=out.k,
-                               dtype=out.compute_dtype, what=out.slot)
+                               dtype=out.compute_dtype, what=out.slot, partial_sums=rounds_partial_sums(name))
 
 
 def judge_op_outputs(name: str, outputs: Sequence[OpOutput], peers: Callable[[], Dict[str, Any]], *,

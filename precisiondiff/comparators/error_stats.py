@@ -125,7 +125,7 @@ def _distinct(g: torch.Tensor) -> int:
 
 def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Tensor,
                      peers: Mapping[str, torch.Tensor], dtype: torch.dtype, *, significance: float,
-                     scale: Optional[torch.Tensor] = None) -> StatsVerdict:
+                     scale: Optional[torch.Tensor] = None, ulp_floor: bool = True) -> StatsVerdict:
     """Run the bias, RMSE and tail tests of ``dut`` against ``golden`` (module docstring).
 
     Args:
@@ -135,8 +135,10 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
             against the correctly rounded golden, which bounds every peer's figures from below.
         dtype: the dtype whose ULP measures the errors.
         significance: the significance threshold as a fraction of ``rms(g)``.
-        scale: the max rule's per-element unit (the ULP plus the op's accumulation allowance), in
-            which the tail is measured; default the ULP of the element.
+        scale: the per-element unit (the ULP plus the op's accumulation allowance) in which the
+            peers' worst is measured for the tail; default the ULP of the element.
+        ulp_floor: the tail's floor (1/2) and slack in ULP of the element; False: in ``scale``
+            (a scatter-add, whose partial sums may round: one such rounding is allowed).
     """
     from .ulp import float_format
     screen = not peers
@@ -212,7 +214,8 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
     t_unit = unit if scale is None else scale[use]
     err = (dut[use] - g).abs()
     worst = max(float(((p[use] - g).abs() / t_unit).max()) for p in peers.values()) if peers else 0.0
-    per_element = torch.maximum(worst * t_unit, 0.5 * unit) + TAIL_SLACK * unit
+    floor_unit = unit if ulp_floor else t_unit
+    per_element = torch.maximum(worst * t_unit, 0.5 * floor_unit) + TAIL_SLACK * floor_unit
     tail = int((err > per_element).sum())
     threshold = max(worst, 0.5) + TAIL_SLACK  # as reported: at an element without allowance, in ULP
     figures.update(tail=tail, tail_threshold=threshold, tail_peer_worst=worst)
