@@ -8,6 +8,7 @@ rule's verdict. Run it under each CPU path:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from precisiondiff.comparators import ulp_error
 from precisiondiff.comparators.peers import judge_against_peers
@@ -72,11 +73,56 @@ def foreach_mul_scalar_inplace() -> None:
           f"{torch.equal(x * 0.9, gold.bfloat16())}; mean error {-toward_zero:.3f} ULP toward zero")
 
 
+def matrix_exp_bf16() -> None:
+    """``torch.matrix_exp`` of the 4 x 4 identity in bf16 (e on the diagonal)."""
+    m = torch.matrix_exp(torch.eye(4, dtype=torch.bfloat16))
+    print(f"  matrix_exp(eye(4), bf16)[0, 0] = {m[0, 0].item():.4g} (float64: "
+          f"{torch.matrix_exp(torch.eye(4, dtype=torch.float64))[0, 0].item():.6g}); NaN: {bool(m.isnan().any())}")
+
+
+def div_trunc_bf16() -> None:
+    """Vectorised ``div(rounding_mode="trunc")`` on bf16: every pair of integers 1..511 / 1..63."""
+    xs = torch.arange(1, 512, dtype=torch.float32).bfloat16()
+    ys = torch.arange(1, 64, dtype=torch.float32).bfloat16()
+    x, y = (t.flatten().contiguous() for t in torch.meshgrid(xs, ys, indexing="ij"))
+    vec = torch.div(x, y, rounding_mode="trunc")
+    exact = torch.trunc(x.double() / y.double()).bfloat16()
+    bad = vec != exact
+    i = int(bad.nonzero()[0]) if bool(bad.any()) else 0
+    one = torch.div(x[i:i + 1], y[i:i + 1], rounding_mode="trunc").item()
+    print(f"  div(trunc, bf16): {int(bad.sum())} of {x.numel()} quotients wrong; e.g. {x[i].item():g} / {y[i].item():g}"
+          f" = {x[i].item() / y[i].item():.4f}: vectorised {vec[i].item():g}, one element {one:g}, exact "
+          f"{exact[i].item():g}")
+
+
+def soft_margin_loss_fp16() -> None:
+    """``soft_margin_loss`` in fp16 at x = -20, y = 1: log(1 + exp(20)) = 20."""
+    x, t = torch.full((8,), -20.0, dtype=torch.float16), torch.ones(8, dtype=torch.float16)
+    print(f"  soft_margin_loss(fp16, x=-20) = {F.soft_margin_loss(x, t).item()} (float64 "
+          f"{F.soft_margin_loss(x.double(), t.double()).item():.6g}): exp(20) = 4.9e8 overflows fp16")
+
+
+def grid_sample_bf16() -> None:
+    """``grid_sample`` (bilinear) of a 64 x 64 map at 16 x 16 random points, bf16."""
+    gen = torch.Generator().manual_seed(0)
+    inp = torch.randn(1, 1, 64, 64, generator=gen).bfloat16()
+    grid = (torch.rand(1, 16, 16, 2, generator=gen) * 2 - 1).bfloat16()
+    gold = F.grid_sample(inp.double(), grid.double(), align_corners=False)
+    once = F.grid_sample(inp.float(), grid.float(), align_corners=False).bfloat16()
+    got = F.grid_sample(inp, grid, align_corners=False)
+    print(f"  grid_sample(bf16): rel-L2 {_rel(got, gold):.3g} vs float32 rounded once {_rel(once, gold):.3g} "
+          f"({_rel(got, gold) / _rel(once, gold):.0f}x)")
+
+
 def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
     layer_norm_backward()
     embedding_backward()
     foreach_mul_scalar_inplace()
+    matrix_exp_bf16()
+    div_trunc_bf16()
+    soft_margin_loss_fp16()
+    grid_sample_bf16()
 
 
 if __name__ == "__main__":

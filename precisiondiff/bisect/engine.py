@@ -72,6 +72,8 @@ class EngineInput:
         op_pool: judges op units elsewhere (:mod:`precisiondiff.bisect.workers`): ``judge(events)``
             returns ``{seq: OpResult}`` for a window of ``window`` upcoming ops; the search
             consumes them in order, exactly as if judged here.
+        rule: the op rule, ``"peer"`` or ``"mlu-ops"`` (judge.py :func:`judge_tensor`; with a real
+            peer, mlu-ops' baseline is that peer).
     """
 
     events: List[UnitEvent]
@@ -93,6 +95,7 @@ class EngineInput:
     peer_name: str = ""
     max_replay_bytes: Optional[int] = None
     op_pool: Optional[Any] = None
+    rule: str = "peer"
 
 
 DEFAULT_MAX_REPLAY_BYTES = 1 << 30  # a module larger than this in the reference dtype is replayed block-wise
@@ -375,12 +378,14 @@ def _judge_op(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int],
             found[inp.peer_name] = rep.on_device(inp.peer_device)
         return found
     try:
-        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
+        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides,
+                                rule=inp.rule, real_peer=inp.peer_name if inp.peer_device is not None else None)
     except _NeedsMagnitude:
         rep.magnitudes = rep.magnitudes_of()
         _count(counter, "op_magnitude", 1)
         outputs = _op_outputs(ev, rep, in_dtypes)
-        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides)
+        oj = J.judge_op_outputs(ev.name, outputs, peers, module_class=module_class, overrides=inp.overrides,
+                                rule=inp.rule, real_peer=inp.peer_name if inp.peer_device is not None else None)
     return _op_verdict(ev, inp, outputs, oj)
 
 

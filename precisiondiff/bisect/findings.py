@@ -46,6 +46,31 @@ KNOWN_FINDINGS: Dict[str, Dict[str, str]] = {
                     "where the sum cancels; AVX512 equals x + bf16(alpha) * y rounded once; torch 2.13 "
                     "(docs/bisect.md, Findings on stock kernels)",
     },
+    "aten.linalg_matrix_exp.default": {
+        "device": "cpu", "dtype": "bfloat16",
+        "finding": "CPU bf16 matrix_exp of the identity returns -1.3e30 on the diagonal instead of e",
+        "measured": "matrix_exp(eye(4), bf16)[0, 0] = -1.297e30 (float64 2.71828), same on AVX512/AVX2/DEFAULT, "
+                    "torch 2.13 (docs/bisect.md, Findings on stock kernels)",
+    },
+    "aten.div.Tensor_mode": {
+        "device": "cpu", "dtype": "bfloat16",
+        "finding": "vectorised CPU bf16 div(rounding_mode='trunc') truncates the quotient after rounding it to bf16 "
+                   "(288 / 17 = 16.94 -> 17 -> 17); a one-element call gives 16",
+        "measured": "231 of 32193 integer pairs 1..511 / 1..63 wrong, same on AVX512/AVX2/DEFAULT, torch 2.13 "
+                    "(docs/bisect.md, Findings on stock kernels)",
+    },
+    "aten.soft_margin_loss.default": {
+        "device": "cpu", "dtype": "float16",
+        "finding": "CPU fp16 soft_margin_loss computes exp(-y x) in fp16 and overflows (x = -20: inf, float64 20)",
+        "measured": "soft_margin_loss(full(8, -20.), ones) = inf in fp16, 20.0 in float64, same on "
+                    "AVX512/AVX2/DEFAULT, torch 2.13 (docs/bisect.md, Findings on stock kernels)",
+    },
+    "aten.grid_sampler_2d.default": {
+        "device": "cpu", "dtype": "bfloat16",
+        "finding": "CPU bf16 grid_sample computes its sampling coordinates in bf16",
+        "measured": "64 x 64 map, 16 x 16 random points, bilinear: rel-L2 0.149 vs 0.00158 for float32 rounded once "
+                    "(95x), same on AVX512/AVX2/DEFAULT, torch 2.13 (docs/bisect.md, Findings on stock kernels)",
+    },
 }
 
 #: The configuration files read, in the current directory, in this order.

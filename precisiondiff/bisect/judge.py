@@ -34,7 +34,7 @@ from ..comparators.tolerance import END_TO_END_FACTOR
 # times its run-to-run max abs difference: compare --noise's factor.
 from ..compare.dumps import NOISE_FACTOR
 
-__all__ = ["MODULE_OVER", "MODULE_FAR", "PARITY_FACTOR", "OpJudgement", "judge_op_outputs",
+__all__ = ["MODULE_OVER", "MODULE_FAR", "PARITY_FACTOR", "OpJudgement", "judge_op_outputs", "judge_tensor",
            "judge_module", "judge_standin", "StandInJudgement", "rel_l2", "unit_roundoff", "parity_bound", "OpOutput",
            "NOISE_FACTOR", "max_abs_error"]
 
@@ -139,17 +139,32 @@ def _as_float(value: Any) -> float:
     return math.inf if math.isnan(value) else float(value)
 
 
+def judge_tensor(rule: str, name: str, out: OpOutput, peers: Dict[str, Any], real_peer: Optional[str] = None) -> Any:
+    """One output judged by ``rule``: ``"peer"`` (:func:`~precisiondiff.comparators.peers.judge_against_peers`)
+    or ``"mlu-ops"`` (:func:`~precisiondiff.comparators.mlu_ops.judge_mlu_ops`, ``real_peer`` its baseline).
+    Both verdicts have ``passed``, ``ratio``, ``message`` and ``as_dict()`` (whose ``rule`` says which decided)."""
+    if rule == "mlu-ops":
+        from ..comparators.mlu_ops import judge_mlu_ops
+        return judge_mlu_ops(out.dut, out.golden, peers, op=name, real_peer=real_peer, what=out.slot)
+    from ..comparators.accumulation import rounds_partial_sums
+    from ..comparators.peers import judge_against_peers
+    return judge_against_peers(out.dut, out.golden, peers, magnitude=out.magnitude, k=out.k,
+                               dtype=out.compute_dtype, what=out.slot, partial_sums=rounds_partial_sums(name))
+
+
 def judge_op_outputs(name: str, outputs: Sequence[OpOutput], peers: Callable[[], Dict[str, Any]], *,
                      module_class: Optional[str] = None,
-                     overrides: Optional[Dict[str, Dict[str, Any]]] = None) -> OpJudgement:
-    """Judge an op's outputs by the peer rule (:mod:`precisiondiff.comparators.peers`).
+                     overrides: Optional[Dict[str, Dict[str, Any]]] = None, rule: str = "peer",
+                     real_peer: Optional[str] = None) -> OpJudgement:
+    """Judge an op's outputs by the peer rule (:mod:`precisiondiff.comparators.peers`), or by
+    ``rule="mlu-ops"`` (:mod:`precisiondiff.comparators.mlu_ops`, ``real_peer`` the name of a
+    real second implementation among the peers: its baseline).
 
     ``peers()`` computes the emulated peers (``{"float32": [...], "decomposition": [...]}``,
-    indexed like the op's outputs); it is called only when some output's error is above the
-    significance floor, so most ops cost one replay. The comparators' per-op ULP budget is
-    measured too and reported (``budget.ulp_passed``), but it does not decide.
+    indexed like the op's outputs); it is called only when some output fails without them, so
+    most ops cost one replay. The comparators' per-op ULP budget is measured too and reported
+    (``budget.ulp_passed``), but it does not decide.
     """
-    from ..comparators.peers import judge_against_peers
     from . import _compat
     worst: Optional[OpJudgement] = None
     computed: Optional[Dict[str, Any]] = None
@@ -158,14 +173,12 @@ def judge_op_outputs(name: str, outputs: Sequence[OpOutput], peers: Callable[[],
         k = out.k if out.magnitude is not None and out.k else None
         ulp = _compat.check(budget, out.dut, out.golden, out.magnitude if k else None, k, out.slot)
         metrics = _compat.metrics(out.dut, out.golden)
-        verdict = judge_against_peers(out.dut, out.golden, {}, magnitude=out.magnitude, k=out.k,
-                                      dtype=out.compute_dtype, what=out.slot)
+        verdict = judge_tensor(rule, name, out, {}, real_peer)
         if not verdict.passed and not _overridden(name, budget, overrides):
             if computed is None:
                 computed = peers()
             found = {n: (p[out.index] if p is not None and out.index < len(p) else None) for n, p in computed.items()}
-            verdict = judge_against_peers(out.dut, out.golden, found, magnitude=out.magnitude, k=out.k,
-                                          dtype=out.compute_dtype, what=out.slot)
+            verdict = judge_tensor(rule, name, out, found, real_peer)
         elif not verdict.passed:  # a budget override for this op: the user's budget decides
             verdict = dataclasses.replace(verdict, passed=ulp.passed)
         bud = dict(_compat.as_dict(budget), ulp_passed=bool(ulp.passed))

@@ -68,6 +68,21 @@ def peer_of(peer: "str | Target | None", dut: Target) -> "tuple[Optional[str], s
     return target.device, str(target)
 
 
+def rule_of(rule: str, peer_device: Optional[str]) -> List[str]:
+    """Check ``--rule``; the notes the report carries for it (mlu-ops without a real peer).
+
+    Raises:
+        BisectError: an unknown rule.
+    """
+    from ..comparators.mlu_ops import RULES
+    if rule not in RULES:
+        raise BisectError(f"--rule {rule}: unknown rule; use one of {', '.join(RULES)}")
+    if rule == "mlu-ops" and peer_device is None:
+        return ["--rule mlu-ops without --peer: the baseline of its dynamic threshold (10 x the GPU's error in "
+                "mlu-ops) is the emulated peers, correct implementations in the DUT dtype"]
+    return []
+
+
 def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, Dict[str, Any]]]:
     """Validate ``direction``; turn ``budgets`` (``{key: {field: value}}`` or a list of
     ``[KEY:]FIELD=VALUE`` strings, as ``--budget``) into checked overrides.
@@ -317,7 +332,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            accept: Optional[Sequence[str]] = None,
            allow_narrowed: bool = False, repro: "str | os.PathLike | None" = None,
            max_elements: Optional[int] = None, peer: "str | Target | None" = None,
-           max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES) -> BisectResult:
+           max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES, rule: str = "peer") -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -363,6 +378,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         max_replay_bytes: block-wise replay: a module larger than this in the reference dtype is
             not replayed whole; its blocks are (docs/bisect.md, "Host memory"). None: every
             module whole.
+        rule: how an op is judged: ``"peer"`` (default) or ``"mlu-ops"`` (Cambricon's acceptance
+            rule, its baseline ``peer`` or the emulated peers: docs/comparators.md, "The mlu-ops rule").
 
     Returns:
         A :class:`BisectResult`.
@@ -382,6 +399,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
                                  allow_narrowed=allow_narrowed)
     ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     peer_device, peer_name = peer_of(peer, dut)
+    rule_notes = rule_of(rule, peer_device)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     wl = load_workload(workload, seed=seed)
@@ -390,6 +408,9 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     if compiled_wl is not None or in_place:  # bisect the eager model; regions are checked below
         wl = compiled.eager_workload(wl)
     if wl.optimizer is not None or wl.steps > 1:  # every training step judged (training.py)
+        if rule != "peer":
+            raise BisectError(f"--rule {rule} judges single-step workloads and dumps; a training workload "
+                              "(optimizer= or steps > 1) is judged by the peer rule")
         from .training import bisect_training
         found = bisect_training(wl, dut, ref_t, overrides=overrides, direction=direction, progress=progress,
                                 max_candidates=max_candidates, max_host_memory=max_host_memory,
@@ -436,7 +457,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         module_of=modules.get, module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
         param_grad=param_grads_of(events), direction=direction,
         max_candidates=max_candidates, progress=progress, overrides=overrides, noise=noise_floor,
-        accept=accepts, peer_device=peer_device, peer_name=peer_name, max_replay_bytes=max_replay_bytes))
+        accept=accepts, peer_device=peer_device, peer_name=peer_name, max_replay_bytes=max_replay_bytes,
+        rule=rule))
     search_s = time.perf_counter() - t1
 
     # The reference run only when something needs it: the verdict (parity or accumulated: no
@@ -526,7 +548,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost, notes=notes,
                       input_check=input_check)
     result.noise = noise_json
-    result.notes[:0] = [n for n in (dut_note, ref_note) if n]
+    result.notes[:0] = [n for n in (dut_note, ref_note) if n] + rule_notes
     if compiled_wl is not None:
         if progress is not None:
             progress(0, 1, "compiled regions vs eager")

@@ -146,7 +146,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 allow_narrowed: bool = False, repro: "str | Path | None" = None,
                 max_elements: Optional[int] = None, peer: "str | Target | None" = None,
                 workers: int = 1, distributed: bool = False,
-                max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES) -> BisectResult:
+                max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES,
+                rule: str = "peer") -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -179,6 +180,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
             not replayed whole (their blocks are), and when a culprit is found in a model larger
             than this the reference run of the whole model is left out (a note; docs/bisect.md,
             "Host memory"). None: the whole model is replayed as before.
+        rule: ``"peer"`` or ``"mlu-ops"`` (see :func:`precisiondiff.bisect.bisect`).
 
     Returns:
         A :class:`BisectResult`; ``confirmation.final_error_after_substitution`` is None (a
@@ -192,7 +194,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     """
     from ..runtime.workload import load_workload
     from .cost import cost_figures, step_cost
-    from .live import check_options, peer_of, run_reference
+    from .live import check_options, peer_of, rule_of, run_reference
     overrides = check_options(direction, budgets)
     accepts = resolve_accepts(accept)
     started = time.perf_counter()
@@ -206,6 +208,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     peer_device, peer_name = peer_of(peer, dut)
+    rule_notes = rule_of(rule, peer_device)
     every = events_from_dump(dump, all_steps=prepare is None)  # training steps: each one judged
     if prepare is not None:
         every = prepare(every)
@@ -214,7 +217,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         raise BisectError(f"{dut_dump} holds no optimizer events: its steps were captured without "
                           "optimizer.step() (capture training steps: a Workload with optimizer=, "
                           "capture --script, or watch --replay-steps/--ref)")
-    notes: List[str] = [ref_note] if ref_note else []
+    notes: List[str] = ([ref_note] if ref_note else []) + rule_notes
     if not meta.get("arg_layouts"):
         notes.append("the dump records no argument layouts (captured before they were recorded): ops replay "
                      "on contiguous copies, so a kernel with a layout-dependent path may round differently")
@@ -259,7 +262,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
             module_class_of=lambda sc: type(modules[sc]).__name__ if sc in modules else None,
             param_grad=param_grads_of(step_events), direction=direction, max_candidates=max_candidates,
             progress=progress, overrides=overrides, accept=accepts, peer_device=peer_device, peer_name=peer_name,
-            max_replay_bytes=max_replay_bytes, op_pool=pool)
+            max_replay_bytes=max_replay_bytes, op_pool=pool, rule=rule)
     pool = _op_pool(make_input([]), dut_dump, workers, distributed, modules, workload, prepare)
     t1 = time.perf_counter()
     try:

@@ -12,6 +12,18 @@ def _num(x) -> str:
     return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
 
 
+def _mlu_ops_lines(peer: dict) -> List[str]:
+    """An op culprit judged by ``--rule mlu-ops``: the DUT's diffs beside its baseline's, each judged
+    criterion against max(10 x the baseline's, static)."""
+    d, b = peer.get("diffs") or {}, peer.get("baseline_diffs") or {}
+    shown = " | ".join(f"{k} DUT {_num(d.get(k))} vs {peer.get('baseline')} {_num(b.get(k))}"
+                       for k in ("diff1", "diff2", "diff3"))
+    judged = "; ".join(f"{k} {_num(c.get('value'))} <= max({_num(peer.get('factor'))} x {_num(c.get('baseline'))}, "
+                       f"static {_num(c.get('static'))}) = {_num(c.get('threshold'))}: "
+                       f"{'ok' if c.get('passed') else 'FAILS'}" for k, c in (peer.get("criteria") or {}).items())
+    return [f"  mlu-ops rule decided ({peer.get('op_class')} op): {shown}", f"  judged: {judged}"]
+
+
 def summary_lines(r: BisectResult) -> List[str]:
     """The culprit, its local error vs budget, evidence, substitution, cost."""
     lines = [f"bisect {r.dut} vs {r.ref}: {r.verdict.upper()}"]
@@ -26,7 +38,9 @@ def summary_lines(r: BisectResult) -> List[str]:
         elif c["kind"] == "op":
             peer = c.get("peer") or {}
             real = peer.get("real_peer")
-            if real:
+            if peer.get("rule") == "mlu-ops":
+                lines.extend(_mlu_ops_lines(peer))
+            elif real:
                 found = peer.get("peers") or {}
                 emulated = ", ".join(f"{n} {_num(v)}" for n, v in found.items() if n != real) or "none ran"
                 lenient = max(((n, v) for n, v in found.items() if isinstance(v, (int, float))),
@@ -34,7 +48,7 @@ def summary_lines(r: BisectResult) -> List[str]:
                 lines.append(f"  errors (rel-L2): DUT {_num(peer.get('error'))} | real peer {real} {_num(found.get(real))} "
                              f"| emulated peers {emulated}; bound {_num(peer.get('bound'))} = x{_num(peer.get('factor'))} "
                              f"the most lenient peer ({lenient}) + floor {_num(peer.get('floor'))}: the peer rule decided")
-            if peer:
+            if peer and peer.get("rule") != "mlu-ops":
                 peers = ", ".join(f"{n} {_num(v)}" for n, v in (peer.get("peers") or {}).items()) or "none ran"
                 lines.append(f"  peer rule: rel-L2 {_num(peer.get('error'))} vs correct peers in its dtype ({peers}), "
                              f"bound {_num(peer.get('bound'))}; worst element {_num(peer.get('max_error'))} vs "

@@ -42,7 +42,7 @@ def threads_per_worker(workers: int) -> int:
 def _options(inp: EngineInput, module_classes: Dict[str, str]) -> Dict[str, Any]:
     return {"dut_dtype": inp.dut_dtype, "ref_device": inp.ref_device, "ref_dtype": inp.ref_dtype,
             "overrides": inp.overrides, "peer_device": inp.peer_device, "peer_name": inp.peer_name,
-            "module_classes": module_classes}
+            "rule": inp.rule, "module_classes": module_classes}
 
 
 def import_workload_module(workload: Any) -> None:

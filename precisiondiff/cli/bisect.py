@@ -81,13 +81,19 @@ def _progress():
               help="block-wise replay: a module larger than SIZE in the reference dtype is not replayed whole "
                    "(its blocks are), and with a culprit such a model's whole reference run is left out; "
                    "'none': replay every module whole")
+@click.option("--rule", type=click.Choice(["peer", "mlu-ops"]), default="peer", show_default=True,
+              help="how an op is judged: the peer rule, or Cambricon mlu-ops' acceptance rule (diff1/diff2/diff3 "
+                   "<= max(10 x the baseline's, a static threshold per op class); the baseline is --peer, or "
+                   "the emulated peers)")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, accept, noise,
            confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements, peer, workers,
-           max_replay_bytes) -> None:
+           max_replay_bytes, rule) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
     from ..errors import BisectError
+    if script is not None and (peer is not None or rule != "peer"):
+        raise BisectError("--peer and --rule work with a WORKLOAD or a single-rank DUT_DUMP, not --script")
     if script is not None:
         _bisect_script(script, [a for a in (source, ref_dump) if a is not None] + list(script_args), keep,
                        target=target, workload=workload, noise=noise, confirm=confirm, ref=ref,
@@ -101,8 +107,9 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                           "(see 'precisiondiff bisect --help')")
     multi = is_multi_rank(source)
     offline = multi or (os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")))
-    if (repro_dir is not None or max_elements is not None or peer is not None) and (multi or script is not None):
-        raise BisectError("--repro and --peer work with a WORKLOAD or a single-rank DUT_DUMP")
+    if (repro_dir is not None or max_elements is not None or peer is not None or rule != "peer") and (
+            multi or script is not None):
+        raise BisectError("--repro, --peer and --rule work with a WORKLOAD or a single-rank DUT_DUMP")
     if max_elements is not None and repro_dir is None:
         raise BisectError("--max-elements goes with --repro DIR")
     if multi and ref_dump is not None:
@@ -158,12 +165,13 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
             result = bisect_dump(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                  budgets=list(budgets), progress=progress, accept=list(accept),
                                  allow_narrowed=allow_narrowed, repro=repro_dir, max_elements=max_elements,
-                                 peer=peer, workers=workers, max_replay_bytes=replay_limit)
+                                 peer=peer, workers=workers, max_replay_bytes=replay_limit,
+                                 rule=rule)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,
                               accept=list(accept), allow_narrowed=allow_narrowed, repro=repro_dir,
-                              max_elements=max_elements, peer=peer, max_replay_bytes=replay_limit)
+                              max_elements=max_elements, peer=peer, max_replay_bytes=replay_limit, rule=rule)
     _emit(result, card, multi, fmt, out)
 
 

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .op_classes import op_class
 
 __all__ = ["bind_schema", "accumulation_lengths", "magnitude_op", "is_random_call", "op_base_name",
-           "LastOp"]
+           "rounds_partial_sums", "LastOp"]
 
 # Ops linear in each floating input: their magnitude is the op on |inputs| (|A| @ |B|).
 _MAGNITUDE_OPS = frozenset({
@@ -190,6 +190,25 @@ def accumulation_lengths(op: Any, args: Sequence[Any], kwargs: Optional[Dict[str
         if ins and first is not None:
             return [max(1, max(ins) // max(1, first.numel()))] * n_out
     return [None] * n_out
+
+
+# Scatter-adds: each output sums what lands on it in turn, and stock kernels may round those partial
+# sums to the output dtype (CPU bf16 embedding_dense_backward): their error statistics keep one
+# rounding of a partial as large as the magnitude in the tail's unit (docs/comparators.md).
+_SCATTER_OPS = frozenset({
+    "embedding_dense_backward", "embedding_backward", "_embedding_bag", "_embedding_bag_backward",
+    "_embedding_bag_dense_backward", "index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
+    "index_put", "index_put_", "_index_put_impl_", "max_pool2d_with_indices_backward",
+    "max_pool3d_with_indices_backward", "avg_pool2d_backward", "avg_pool3d_backward",
+    "_adaptive_avg_pool2d_backward", "convolution_backward"})
+
+
+def rounds_partial_sums(op: Any) -> bool:
+    """Whether the op is a scatter-add whose correct kernels may round partial sums to the output
+    dtype (``embedding_dense_backward``, ``index_add``, pooling and convolution backward); other
+    ops, custom ones included, are held to float32 accumulation in the error statistics' tail."""
+    name = str(op)
+    return name.startswith("aten.") and op_base_name(name) in _SCATTER_OPS
 
 
 def magnitude_op(op: Any) -> bool:

@@ -152,13 +152,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def element_scale(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Optional[torch.Tensor] = None,
-                  k: Optional[int] = None) -> torch.Tensor:
+                  k: Optional[int] = None, partials: bool = True) -> torch.Tensor:
     """Per-element unit of the max rule: ``spacing(max(|g_i|, SIGNIFICANCE * rms(g)))`` in
     ``dtype`` plus ``(ACCUM_FACTOR * K * u_acc + u) * magnitude_i``: one ULP of the element, or of
     the significance threshold for elements far below the tensor's size (judged by absolute
     error), plus what float32 accumulation of the op's magnitude may add and one rounding, in
     the DUT dtype, of a partial result as large as the magnitude (a split or scattered sum:
-    an element that cancels is judged against what was summed into it)."""
+    an element that cancels is judged against what was summed into it). ``partials=False`` leaves
+    that rounding out: float32 accumulation alone (the error statistics' tail of an op that is not
+    a scatter-add)."""
     from .error_stats import element_ulp
     g = torch.where(torch.isfinite(golden), golden, torch.zeros_like(golden)).abs()
     scale = element_ulp(g, dtype, SIGNIFICANCE)
@@ -166,14 +168,14 @@ def element_scale(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Option
         u_acc = float_format(peer_dtype(dtype)).unit_roundoff
         m = magnitude.detach().to(device=g.device, dtype=torch.float64).abs().flatten()
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        scale = scale + (ACCUM_FACTOR * k * u_acc + float_format(dtype).unit_roundoff) * m
+        scale = scale + (ACCUM_FACTOR * k * u_acc + (float_format(dtype).unit_roundoff if partials else 0.0)) * m
     return scale
 
 
 def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[str, Optional[torch.Tensor]], *,
                         magnitude: Optional[torch.Tensor] = None, k: Optional[int] = None,
                         factor: Optional[float] = None, dtype: Optional[torch.dtype] = None,
-                        what: str = "output") -> PeerVerdict:
+                        what: str = "output", partial_sums: bool = True) -> PeerVerdict:
     """Judge ``dut`` against ``golden`` by the peer rule (module docstring).
 
     Args:
@@ -187,6 +189,10 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
             wider output of narrower inputs (the float32 logsumexp of a bf16 attention) is
             judged in the inputs' dtype (:func:`compute_dtype`).
         what: the tensor's name in the message.
+        partial_sums: the op may round partial sums to its dtype (a scatter-add:
+            :func:`~precisiondiff.comparators.accumulation.rounds_partial_sums`); otherwise the tail
+            of the error statistics is measured against float32 accumulation alone, its floor and
+            slack in ULP of the element.
     """
     dtype = dut.dtype if dtype is None else dtype
     factor = peer_factor(dtype) if factor is None else factor
@@ -221,7 +227,9 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
     m_bound = factor * m_peer + MAX_FLOOR
     l2_ok = e_dut <= bound
     max_ok = m_dut <= m_bound
-    stats = judge_statistics(d, g, rounded, ps, dtype, significance=SIGNIFICANCE, scale=scale)
+    tail_scale = scale if partial_sums else element_scale(gf, dtype, magnitude=mag, k=k, partials=False)
+    stats = judge_statistics(d, g, rounded, ps, dtype, significance=SIGNIFICANCE, scale=tail_scale,
+                             ulp_floor=not partial_sums)
     passed = n_special == 0 and l2_ok and max_ok and stats.passed
     rel = (lambda e: e / gnorm) if gnorm > 0 else (lambda e: 0.0 if e == 0 else math.inf)
     ratio = max(e_dut / bound if bound > 0 else (0.0 if e_dut == 0 else math.inf), m_dut / m_bound)

@@ -23,6 +23,7 @@ import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comparators.tolerance import END_TO_END_FACTOR, end_to_end_bound
 
@@ -118,10 +119,22 @@ def _ulp_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(err, nan=0.0)
 
 
+def _strided(value: torch.Tensor, key: str) -> torch.Tensor:
+    """A sparse (or other non-strided) output as the dense tensor it stands for; refused in one
+    line when it has none."""
+    if value.layout == torch.strided:
+        return value
+    try:
+        return value.to_dense()
+    except Exception as err:  # nested or other layouts without a dense form
+        raise PrecisionDiffError(f"{key}: a {value.layout} output has no dense form to compare "
+                                 f"({type(err).__name__}); return a strided tensor") from None
+
+
 def _flatten(value: Any, prefix: str) -> Iterator[Tuple[str, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
-            yield prefix, value
+            yield prefix, _strided(value, prefix)
     elif isinstance(value, dict):
         for k, v in value.items():
             yield from _flatten(v, f"{prefix}.{k}")
@@ -333,7 +346,7 @@ def _abs_inputs(value: Any) -> Any:
 def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None" = None,
              ref: "str | Target | None" = None, name: Optional[str] = None,
              kwargs: Optional[Dict[str, Any]] = None, dump_dir: Optional[str] = None,
-             peer: "str | Target | None" = None, **budgets: Any) -> ParityResult:
+             peer: "str | Target | None" = None, rule: str = "peer", **budgets: Any) -> ParityResult:
     """Run one function or op on the DUT and on the reference (the DUT's inputs, upcast).
 
     With no budget given, each floating output is judged by the peer rule, as bisect judges a
@@ -354,8 +367,14 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         peer: ``DEVICE[/DTYPE]``, a real second implementation in the DUT dtype: where the
             peers are computed, ``fn`` also runs there on the DUT's inputs and its error joins
             theirs (docs/bisect.md, "A real peer").
+        rule: ``"peer"`` (default) or ``"mlu-ops"``: Cambricon mlu-ops' acceptance rule, its
+            baseline ``peer`` or, without one, the emulated peers (docs/comparators.md, "The mlu-ops
+            rule"); each check's ``bound["rule"]`` says which decided.
         **budgets: ``max_ulp`` (per element, ULPs of the DUT dtype), ``rel_l2``, ``min_cosine``;
-            with none, the peer rule judges.
+            with none, the peer rule judges. A function of several ops that fails it as a whole is
+            then judged op by op as bisect judges it: a wrong op is named (``bound["culprit"]``);
+            with every op correct and the same ops on the reference, the whole passes when rounding
+            each op's outputs as the DUT did explains its error (``bound["rule"] == "composite"``).
 
     Returns:
         The :class:`ParityResult`, one check per floating output.
@@ -365,8 +384,11 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
         True
     """
     from ..comparators import op_class
-    from ..comparators.accumulation import LastOp, magnitude_op
+    from ..comparators.accumulation import LastOp, magnitude_op, rounds_partial_sums
     from ..comparators.peers import compute_dtype, judge_against_peers
+    from ..comparators.mlu_ops import RULES
+    if rule not in RULES:
+        raise ValueError(f"check_op: unknown rule {rule!r}; use one of {', '.join(RULES)}")
     dut = Target.parse(target) if target is not None else default_dut()
     golden = Target.parse(ref) if ref is not None else default_ref()
     dut.check_available()
@@ -396,6 +418,7 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     outs = _keyed_outputs(actual)
     in_dtypes = [t.dtype for t in _tensors(dut_in) if t.is_floating_point()]
     peers: Optional[Dict[str, List[Optional[torch.Tensor]]]] = None
+    peers_box: List[Any] = []  # the mlu-ops rule's peers, computed once when first needed
     failed: Dict[int, Any] = {}  # output index -> (peer verdict, magnitude, k, compute dtype)
     for index, (key, out) in enumerate(outs):
         exp = expected_by_key[key]
@@ -415,13 +438,20 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
                                              "" if verdict.passed else verdict.message))
             continue
         cdt = compute_dtype(out.dtype, in_dtypes)
-        pv = judge_against_peers(out.detach(), exp.detach(), {}, magnitude=mag, k=k, dtype=cdt, what=key)
+        if rule == "mlu-ops":
+            rule_op = str(last.op) if last.count == 1 and last.op is not None else name
+            result.checks.append(_check_mlu_ops(key, out, exp, index, rule_op, fn, dut_in, golden, outs, dut_op, real_peer,
+                                                peers_box))
+            continue
+        scatter = rounds_partial_sums(op)
+        pv = judge_against_peers(out.detach(), exp.detach(), {}, magnitude=mag, k=k, dtype=cdt, what=key,
+                                 partial_sums=scatter)
         if not pv.passed:
             if peers is None:
                 peers = _op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op, real_peer)
             pv = judge_against_peers(out.detach(), exp.detach(),
                                      {n: (p[index] if index < len(p) else None) for n, p in peers.items()},
-                                     magnitude=mag, k=k, dtype=cdt, what=key)
+                                     magnitude=mag, k=k, dtype=cdt, what=key, partial_sums=scatter)
         shown = {"rule": "peer", "factor": pv.factor, "bound_rel_l2": pv.bound, "peer_rel_l2": pv.peer_error,
                  "max_error": pv.max_error, "peer_max_error": pv.peer_max_error, "stats": pv.stats}
         if pv.notes:
@@ -434,7 +464,115 @@ def check_op(fn: Callable[..., Any], *inputs: Any, target: "str | Target | None"
     if failed and dump_dir is not None and isinstance(fn, torch._ops.OpOverload):
         result.dumps["repro"] = _write_op_repro(fn, dut_in, outs, expected_by_key, failed, dut, golden,
                                                 os.path.join(dump_dir, "repro"))
+    if failed and dut_op.count > 1 and not isinstance(fn, torch._ops.OpOverload):
+        _judge_composite(result, fn, inputs, kwargs, dut, golden, peer, dut_in, ref_in, dict(outs), expected_by_key,
+                         dump_dir)
     return result
+
+
+class _Composite(torch.nn.Module):
+    """A function of several ops as a module, so that bisect can judge each op it runs."""
+
+    def __init__(self, fn: Callable[..., Any], kwargs: Dict[str, Any]):
+        super().__init__()
+        self.fn, self.fn_kwargs = fn, kwargs
+
+    def forward(self, *xs: Any) -> Any:  # noqa: D102
+        return self.fn(*xs, **self.fn_kwargs)
+
+
+class _OpSequence(TorchDispatchMode):
+    """Records the ops a function runs and their floating outputs' dtypes; given the DUT's record,
+    rounds each op's floating outputs to the dtypes the DUT's op gave instead (the emulation of a
+    correct DUT: every op correct, rounded as the DUT's was), while the two runs run the same ops."""
+
+    def __init__(self, dut_ops: Optional[List[Tuple[str, List[torch.dtype]]]] = None):
+        super().__init__()
+        self.ops: List[Tuple[str, List[torch.dtype]]] = []
+        self.dut_ops = dut_ops
+        self.same = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        out = func(*args, **(kwargs or {}))
+        floats = [t.dtype for t in torch.utils._pytree.tree_leaves(out)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        index = len(self.ops)
+        self.ops.append((str(func), floats))
+        if self.dut_ops is None or not self.same:
+            return out
+        if index >= len(self.dut_ops) or self.dut_ops[index][0] != str(func) or len(self.dut_ops[index][1]) != len(floats):
+            self.same = False
+            return out
+        want = iter(self.dut_ops[index][1])
+        return torch.utils._pytree.tree_map(
+            lambda t: t.to(next(want)).to(t.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+
+
+def _judge_composite(result: ParityResult, fn: Callable[..., Any], inputs: Any, kwargs: Dict[str, Any], dut: Target,
+                     golden: Target, peer: Any, dut_in: Any, ref_in: Any, outs: Dict[str, torch.Tensor],
+                     expected: Dict[str, torch.Tensor], dump_dir: Optional[str]) -> None:
+    """A function of several ops that fails the peer rule as a whole. When the reference runs the
+    same ops, the whole passes if rounding every op's outputs as the DUT did explains its error
+    (bisect's module rule, ``MODULE_OVER``): a function of correctly rounded stock ops. If it does
+    not, each op is judged as bisect does (a forward bisect of the function, on the DUT's own inputs
+    to each op) and a wrong one is named. A function whose low-precision path runs other ops (a
+    dtype branch: a kernel written in Python) keeps the peer rule's verdict on the whole."""
+    from ..bisect import bisect as run_bisect
+    from ..bisect.judge import MODULE_OVER, judge_module
+    with torch.no_grad():
+        with dut.context(), _OpSequence() as recorded:
+            fn(*dut_in[0], **dut_in[1])
+        with _OpSequence(recorded.ops) as emulation:
+            emulated = dict(_keyed_outputs(fn(*ref_in[0], **ref_in[1])))
+    if not emulation.same or len(emulation.ops) != len(recorded.ops):
+        return
+    unexplained = []
+    for check in result.checks:
+        if check.passed or check.key not in emulated:
+            continue
+        mod = judge_module([(outs[check.key], expected[check.key], emulated[check.key])], outs[check.key].dtype)
+        check.bound["composite"] = {"ops": len(recorded.ops), **mod.local, "over_factor": MODULE_OVER}
+        if mod.over:
+            unexplained.append(check)
+        else:
+            check.passed, check.message = True, ""
+            check.bound["rule"] = "composite"
+    if not unexplained:
+        return
+    repro = os.path.join(dump_dir, "repro") if dump_dir is not None else None
+    try:
+        found = run_bisect(Workload(_Composite(fn, kwargs), tuple(inputs), name=result.name), target=str(dut),
+                           ref=str(golden), direction="forward", peer=peer, repro=repro)
+    except PrecisionDiffError as err:  # the function cannot be bisected: the whole's verdict stands
+        log.info("check_op: %s not bisected: %s", result.name, err)
+        return
+    culprit = found.culprit if found.verdict == "kernel" and (found.culprit or {}).get("kind") == "op" else None
+    if culprit is None:
+        return
+    first = (culprit.get("message") or "").splitlines()[0] if culprit.get("message") else ""
+    for check in unexplained:
+        check.bound["culprit"] = {k: culprit.get(k) for k in ("name", "scope", "call", "peer") if k in culprit}
+        check.message = (f"{check.key}: {result.name} runs op {culprit['name']} (call {culprit.get('call')}), "
+                         f"whose own arithmetic is wrong: {first}\n{check.message}")
+    if culprit.get("repro"):
+        result.dumps["repro"] = culprit["repro"]["dir"]
+
+
+def _check_mlu_ops(key: str, out: torch.Tensor, exp: torch.Tensor, index: int, op: str, fn: Callable[..., Any],
+                   dut_in: Any, golden: Target, outs: List[Tuple[str, torch.Tensor]], dut_op: Any,
+                   real_peer: Optional[Tuple[Optional[str], str]], peers_box: List[Any]) -> TensorCheck:
+    """One output of ``check_op(..., rule="mlu-ops")``: the static thresholds first, then the
+    dynamic one against the baseline (the real peer, or the emulated peers)."""
+    from ..comparators.mlu_ops import judge_mlu_ops
+    real = real_peer[1] if real_peer is not None and real_peer[0] is not None else None
+    verdict = judge_mlu_ops(out, exp, {}, op=op, real_peer=real, what=key)
+    if not verdict.passed:
+        if not peers_box:
+            peers_box.append(_op_peers(fn, dut_in, golden, [o.dtype for _, o in outs], dut_op, real_peer))
+        found = {n: (p[index] if index < len(p) else None) for n, p in peers_box[0].items()}
+        verdict = judge_mlu_ops(out, exp, found, op=op, real_peer=real, what=key)
+    shown = verdict.as_dict()
+    return TensorCheck(key, verdict.passed, _metrics(out, exp), shown, verdict.message)
 
 
 def _write_op_repro(fn: Any, dut_in: Any, outs: List[Tuple[str, torch.Tensor]], expected: Dict[str, torch.Tensor],

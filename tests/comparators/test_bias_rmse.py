@@ -94,6 +94,26 @@ def test_two_ulp_on_a_tenth_of_the_elements_is_a_tail(seed, n):
     assert v.stats["tail"] >= int(hit.sum()) * 0.9
 
 
+@SETTINGS
+@given(seed=seeds, k=st.integers(64, 512))
+def test_a_tail_under_a_long_sums_allowance(seed, k):
+    """+2 ULP on a tenth of 512 sums of k terms: the max rule's unit carries one rounding of the
+    magnitude (several ULP of each sum); for a sum (not a scatter-add) the tail is measured against
+    float32 accumulation with its floor and slack in ULP, so it is a tail (the old floor of 1/2 of
+    that unit hid it); the same sums correctly rounded are not."""
+    x = torch.randn(512, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    x = x.to(torch.bfloat16).double()
+    g, m = x.sum(-1), x.abs().sum(-1)
+    r = g.to(torch.bfloat16)
+    hit = torch.arange(512) % 10 == 3
+    d = torch.where(hit, r.double() + 2 * ulp_spacing(r.double(), torch.bfloat16), r.double()).to(torch.bfloat16)
+    v = judge_against_peers(d, g, {"float32": r}, magnitude=m, k=k, partial_sums=False)
+    assert not v.passed and "beyond the peers' worst" in v.message and v.stats["tail"] >= TAIL_COUNT
+    assert judge_against_peers(r, g, {"float32": r}, magnitude=m, k=k, partial_sums=False).passed
+    # a scatter-add may round partial sums: one rounding of the magnitude stays allowed there
+    assert judge_against_peers(d, g, {"float32": r}, magnitude=m, k=k, partial_sums=True).stats["tail"] < TAIL_COUNT
+
+
 def test_a_few_elements_two_ulp_off_are_not_a_tail():
     g = _golden(4000, 0)
     d = g.to(torch.bfloat16).double()
