@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import BisectError, PrecisionDiffError
 from .collectives import CollectiveUnit, CollectiveVerdict, collect_units, judge_collective
@@ -102,7 +102,8 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
                  direction: Optional[str] = None, budgets: Any = None,
                  progress: Optional[Callable[[int, int, str], None]] = None,
                  max_candidates: int = 3, across_processes: bool = False,
-                 group: Any = None, workers: int = 1) -> Optional[RanksBisectResult]:
+                 group: Any = None, workers: int = 1,
+                 accept: Optional[Sequence[str]] = None) -> Optional[RanksBisectResult]:
     """Bisect a multi-rank job from its per-rank ``--mode replay`` dumps (module docstring).
 
     Args:
@@ -120,6 +121,8 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
             the default group, created from torchrun's environment when there is none).
         workers: without ``across_processes``, bisect this many ranks at a time, each in a
             process of its own on this host (``bisect RUN_DIR --workers N``).
+        accept: accepted findings ``["OP[@SCOPE]", ...]`` on every rank (see
+            :func:`precisiondiff.bisect.bisect`); the result's ``accepted`` lists them with their rank.
 
     Returns:
         A :class:`RanksBisectResult`: ``culprit["rank"]`` names the rank; a wrong collective is
@@ -144,7 +147,8 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
         raise BisectError(f"{run_dir}: {err}") from err
     paths = {r: d.path for r, d in sorted(dump.ranks.items())}
 
-    options = {"ref": ref, "direction": direction, "budgets": budgets, "max_candidates": max_candidates}
+    options = {"ref": ref, "direction": direction, "budgets": budgets, "max_candidates": max_candidates,
+               "accept": list(accept) if accept is not None else None}
 
     def one(rank: int) -> Tuple[BisectResult, List[Dict[str, Any]]]:
         def prog(done: int, total: int, label: str) -> None:
@@ -302,9 +306,11 @@ def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
     cost.update(ranks=len(per_rank), collectives_judged=sum(1 for _, v in verdicts if v.judged),
                 wall_s=round(wall_s, 3))
     ranks = {r: {"verdict": res.verdict, "final_error": res.final_error,
-                 "culprit": ({k: res.culprit[k] for k in ("kind", "scope", "name", "direction", "call")}
-                             if res.culprit else None), "candidates": len(res.candidates)}
+                 "culprit": ({k: res.culprit[k] for k in ("kind", "scope", "name", "direction", "call", "known")
+                              if k in res.culprit} if res.culprit else None), "candidates": len(res.candidates)}
              for r, res in per_rank.items()}
+    accepted = sorted((dict(u, rank=r) for r, res in per_rank.items() for u in res.accepted),
+                      key=lambda u: (_ORDER.get(u.get("direction"), 2), u["rank"]))
     collectives = {"judged": cost["collectives_judged"],
                    "wrong": [_collective_json(u, v) for u, v in verdicts if v.judged and not v.passed],
                    "passed": [{"scope": u.scope, "name": u.name, "direction": u.direction, "call": u.call,
@@ -319,7 +325,7 @@ def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
         growth=[] if culprit else base.growth, unreplayable=sorted({n for res in per_rank.values()
                                                                     for n in res.unreplayable}),
         final_error=final_error, parity_bound=base.parity_bound, notes=notes, ranks=ranks,
-        collectives=collectives)
+        collectives=collectives, culprits=[o[1] for o in offending], accepted=accepted)
 
 
 def _merged_notes(per_rank: Dict[int, BisectResult]) -> List[str]:

@@ -97,7 +97,8 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
     if script is not None:
         _bisect_script(script, [a for a in (source, ref_dump) if a is not None] + list(script_args), keep,
                        target=target, workload=workload, noise=noise, confirm=confirm, ref=ref,
-                       direction=direction, budgets=list(budgets), seed=seed, fmt=fmt, out=out, card_path=card_path)
+                       direction=direction, budgets=list(budgets), seed=seed, fmt=fmt, out=out, card_path=card_path,
+                       accept=list(accept))
     if keep is not None or script_args:
         raise BisectError("--keep and the arguments after -- go with --script FILE" if keep is not None else
                           f"too many arguments ({' '.join(script_args)}): bisect takes a WORKLOAD or DUT_DUMP "
@@ -146,7 +147,7 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
         if multi:
             result = bisect_ranks(source, ref=ref, workload=workload, direction=direction,
                                   budgets=list(budgets), progress=progress, across_processes=under_torchrun(),
-                                  workers=workers)
+                                  workers=workers, accept=list(accept))
             if result is None:  # a torchrun process other than 0: its verdicts went to process 0
                 sys.exit(0)
             if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):

@@ -52,6 +52,16 @@ def test_a_kernel_wrong_on_one_rank_is_named_on_that_rank(job):
     assert any("rank(s) [1] only" in n for n in r.notes)
 
 
+def test_every_offender_is_listed_and_an_accepted_one_gives_way(job):
+    r = bisect_ranks(job / "kernel")
+    assert r.culprits and r.culprits[0] == r.culprit
+    assert r.culprits[1:1 + len(r.candidates)] == r.candidates and r.accepted == []
+    accepted = bisect_ranks(job / "kernel", accept=[f"{GEMM}@fc1"])
+    assert [(a["name"], a["scope"], a["rank"]) for a in accepted.accepted][:1] == [(GEMM, "fc1", 1)]
+    assert all(c["name"] != GEMM or c["scope"] != "fc1" for c in accepted.culprits)
+    assert accepted.ranks[1]["culprit"] is None or accepted.ranks[1]["culprit"]["name"] != GEMM
+
+
 def test_a_collective_that_accumulates_in_bf16_is_named(job):
     r = bisect_ranks(job / "collective")
     assert r.verdict == "kernel"
