@@ -114,6 +114,20 @@ def grid_sample_bf16() -> None:
           f"({_rel(got, gold) / _rel(once, gold):.0f}x)")
 
 
+def addbmm_bf16() -> None:
+    """``addbmm`` of 4 batches of (5 x 6) @ (6 x 5) onto a 5 x 5 bf16 matrix: is the running sum
+    rounded to bf16 after each batch's product?"""
+    same = []
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        m, b1, b2 = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((5, 5), (4, 5, 6), (4, 6, 5)))
+        acc = m.clone()
+        for i in range(4):
+            acc = (acc.float() + b1[i].float() @ b2[i].float()).bfloat16()
+        same.append(torch.equal(acc, torch.addbmm(m, b1, b2)))
+    print(f"  addbmm(bf16) equals a running sum rounded to bf16 after every batch: {sum(same)} of {len(same)} seeds")
+
+
 def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
     layer_norm_backward()
@@ -123,6 +137,7 @@ def main() -> None:
     div_trunc_bf16()
     soft_margin_loss_fp16()
     grid_sample_bf16()
+    addbmm_bf16()
 
 
 if __name__ == "__main__":
