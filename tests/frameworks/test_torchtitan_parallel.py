@@ -159,7 +159,7 @@ def test_watch_compare_against_one_process_and_bisect_name_the_planted_optimizer
     first = c.first_divergence
     # the forward of step 0 is the single process's; its gradients are 2x (above), then the plant
     assert first is not None and first["step"] == 0 and first["tensor"] != "output", first
-    assert any("combined from the logs of ranks [0, 1]" in n for n in c.data["notes"])
+    assert any("layouts differ (ranks 2 / 1): compared on global statistics" in n for n in c.data["notes"]), c.data["notes"]
     r = _bisect(job, "watch/replay")
     cul = r.culprit
     assert r.verdict == "kernel" and (cul["name"], cul["direction"], cul["rank"]) == (ADAMW, "optimizer", 1), cul
