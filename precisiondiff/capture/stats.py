@@ -144,7 +144,6 @@ class StatsBatch:
         self._fused: Dict[int, Tuple[int, int]] = {}
         self._out = np.empty((64, 7))
         self._fps = np.empty((64, 2), dtype=np.int64)
-        self._at = (self._out.ctypes.data, self._fps.ctypes.data)  # their addresses (stats_at)
         self._large: Dict[torch.device, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._small: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
         self._results: Dict[int, dict] = {}
@@ -171,11 +170,10 @@ class StatsBatch:
             if row == self._out.shape[0]:
                 self._out = np.concatenate([self._out, np.empty_like(self._out)])
                 self._fps = np.concatenate([self._fps, np.empty_like(self._fps)])
-                self._at = (self._out.ctypes.data, self._fps.ctypes.data)
             try:
-                out, fps = self._at
-                if not stats_kernel.stats_at(t, out + 56 * row, fps + 16 * row):  # rows of 7 and 2 words
-                    stats_kernel.stats_into(t, self._out, self._fps, row)
+                # the arrays themselves, not their addresses (stats_kernel.stats_at): with addresses
+                # the main pass under pytest-xdist corrupted the heap (std::bad_alloc in later ops)
+                stats_kernel.stats_into(t, self._out, self._fps, row)
             except (RuntimeError, TypeError, ValueError, NotImplementedError):
                 pass  # no NumPy view (a negative-bit view, a tensor subclass): the eager path below
             else:
