@@ -171,8 +171,8 @@ class StatsBatch:
                 self._out = np.concatenate([self._out, np.empty_like(self._out)])
                 self._fps = np.concatenate([self._fps, np.empty_like(self._fps)])
             try:
-                # the arrays themselves, not their addresses (stats_kernel.stats_at): with addresses
-                # the main pass under pytest-xdist corrupted the heap (std::bad_alloc in later ops)
+                # the arrays themselves, not their addresses (stats_kernel.stats_at): withdrawn while
+                # a heap corruption was traced (docs/performance.md)
                 stats_kernel.stats_into(t, self._out, self._fps, row)
             except (RuntimeError, TypeError, ValueError, NotImplementedError):
                 pass  # no NumPy view (a negative-bit view, a tensor subclass): the eager path below

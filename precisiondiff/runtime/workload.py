@@ -65,6 +65,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _already_imported(path: str, name: str) -> Any:
+    """The module already imported from ``path`` (by us as ``name``, or by a plain import), or None."""
+    if name in sys.modules:
+        return sys.modules[name]
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and file.endswith(".py") and os.path.abspath(file) == path:
+            return module
+    return None
+
+
 def _load_module(module_part: str) -> Any:
     if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
         path = os.path.abspath(module_part)
@@ -72,6 +83,11 @@ def _load_module(module_part: str) -> Any:
             raise WorkloadError(f"workload file not found: {module_part}")
         digest = hashlib.sha1(path.encode()).hexdigest()[:10]
         name = f"_precisiondiff_workload_{digest}"
+        loaded = _already_imported(path, name)
+        if loaded is not None:
+            # never executed twice in one process: a second run redefines its torch.library ops,
+            # which frees the dispatcher entries the first module's ops still point at
+            return loaded
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             raise WorkloadError(f"cannot import {module_part}: not a Python file")
