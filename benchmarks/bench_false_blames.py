@@ -2,12 +2,15 @@
 on a bf16 target against float64 and count the verdicts that blame a kernel.
 
 Every zoo model runs only PyTorch's own kernels, so a ``kernel`` verdict is a false blame unless
-it is a documented, hand-verified stock finding (docs/bisect.md). Prints one row per model:
+it is a documented, hand-verified stock finding (docs/bisect.md). Bisect passes over the documented
+findings of its DUT by default (listed in ``accepted``); ``--blame-known`` counts them as verdicts
+again. Prints one row per model:
 verdict, culprit, final error (relative L2; "-" for a kernel verdict not confirmed: the verdict
 does not need the reference run, ``--confirm`` runs it), forward-equivalents, steps of the
 workload and wall time, then the count.
 
     PYTHONPATH=. python benchmarks/bench_false_blames.py [MODEL ...] [--target cpu/bf16] [--json] [--confirm]
+        [--blame-known]
 """
 from __future__ import annotations
 
@@ -32,15 +35,16 @@ from tests.zoo import ZOO  # noqa: E402
 from precisiondiff.bisect.findings import KNOWN_FINDINGS  # noqa: E402
 
 
-def run(names, target: str, confirm: bool = False):
+def run(names, target: str, confirm: bool = False, blame_known: bool = False):
     rows = []
     for name in names:
         start = time.perf_counter()
-        r = bisect(ZOO[name], target=target, confirm=confirm)
+        r = bisect(ZOO[name], target=target, confirm=confirm, blame_known=blame_known)
         c = r.culprit
         rows.append({"model": name, "verdict": r.verdict,
                      "finding": bool(c) and c["name"] in KNOWN_FINDINGS,
                      "culprit": f"{c['name']} in {c['scope'] or '<root>'} ({c['direction']})" if c else "-",
+                     "known_passed_over": sorted({a["name"] for a in r.accepted if a.get("known")}),
                      "final_error": r.final_error, "parity_bound": r.parity_bound,
                      "forward_equivalents": r.cost["forward_equivalents"], "steps": r.cost.get("steps"),
                      "wall_s": round(time.perf_counter() - start, 2)})
@@ -54,8 +58,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--confirm", action="store_true",
                         help="confirm kernel verdicts (reference run: their final error; substitution)")
+    parser.add_argument("--blame-known", action="store_true",
+                        help="judge the documented stock findings as offenders (bisect --blame-known)")
     args = parser.parse_args()
-    rows = run(args.models, args.target, args.confirm)
+    rows = run(args.models, args.target, args.confirm, args.blame_known)
     blames = sum(r["verdict"] == "kernel" and not r["finding"] for r in rows)
     findings = sum(r["verdict"] == "kernel" and r["finding"] for r in rows)
     if args.json:
@@ -68,7 +74,8 @@ def main() -> None:
         final = "-" if r["final_error"] is None else f"{r['final_error']:.4f}"  # not measured: not confirmed
         print(f"{r['model']:<9} {r['verdict']:<12} {final:>9} {r['parity_bound']:>7.4f} "
               f"{r['forward_equivalents']:>7} {r['steps'] if r['steps'] is not None else '-':>6} {r['wall_s']:>7}  {r['culprit']}"
-              + ("  [documented stock finding]" if r["finding"] else ""))
+              + ("  [documented stock finding]" if r["finding"] else "")
+              + (f"  [passed over: {', '.join(r['known_passed_over'])}]" if r["known_passed_over"] else ""))
     print(f"false blames (kernel verdicts not a documented stock finding): {blames} of {len(rows)}; "
           f"documented stock findings: {findings}")
 

@@ -98,6 +98,10 @@ def assemble(out: EngineOutput, *, dut: Target, ref: Target, final: Optional[Dic
         notes.append("final output not compared (no reference output available)")
     accepted = [_annotate(dict(unit_json(out.units[u], d), message=d.get("message", "")), dut)
                 for u, d in sorted(out.details.items()) if d.get("accepted") and u in out.units]
+    known = sorted({a["name"] for a in accepted if a.get("known")})
+    if known:
+        notes.append(f"documented stock finding(s) of {dut} passed over (listed in accepted, each with its "
+                     f"measurement): {', '.join(known)}; --blame-known judges them as any other op")
     return BisectResult(verdict=verdict, dut=str(dut), ref=str(ref), culprit=culprit, path=path,
                         confirmation=confirmation, cost=cost, candidates=candidates, evidence=evidence,
                         growth=growth, unreplayable=list(out.unreplayable_ops),

@@ -3,7 +3,10 @@
 Bisect reports every offending unit in execution order (``culprits``); the first is ``culprit``. A
 unit whose op is in :data:`KNOWN_FINDINGS` for the DUT's device and dtype is annotated
 ``known: ...`` (a documented stock kernel behaviour, docs/bisect.md "Findings on stock kernels",
-with the measurement behind it). An *accepted* op is judged as usual but does not offend: the
+with the measurement behind it). Such a finding is accepted by default (:func:`known_accepts`): it
+is the stock backend the DUT stands on, read and measured, not a culprit of the run, so a clean job
+on that backend is not blamed for it; ``blame_known=True`` (``--blame-known``) makes it offend
+again. An *accepted* op is judged as usual but does not offend: the
 search goes on, so the next offending unit becomes ``culprit``; the accepted units are listed in
 ``accepted``. Accepts come from the call (``accept=[...]``, ``--accept``, ``--parity-accept``)
 and from the project's configuration: ``accept = [...]`` in the ``[tool.precisiondiff]`` table of
@@ -19,7 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 from ..errors import BisectError
 
 __all__ = ["KNOWN_FINDINGS", "Accept", "parse_accepts", "configured_accepts", "resolve_accepts", "known_finding",
-           "CONFIG_FILES"]
+           "known_accepts", "CONFIG_FILES"]
 
 #: op name -> {"device", "dtype", "finding", "measured"}: stock kernel behaviours verified by hand
 #: against a float64 replay (benchmarks/stock_findings.py reproduces each).
@@ -173,3 +176,10 @@ def known_finding(name: str, device: str, dtype: str) -> Optional[str]:
         if torch.backends.cpu.get_cpu_capability() != entry["capability"]:
             return None
     return f"known: {entry['finding']} ({entry['measured']})"
+
+
+def known_accepts(device: str, dtype: str) -> List[Accept]:
+    """The documented stock findings of ``device``/``dtype`` (this CPU's vector path for a
+    capability-bound one) as accepts: bisect passes over them by default, listing each in
+    ``accepted`` with its ``known`` note."""
+    return [Accept(name) for name in KNOWN_FINDINGS if known_finding(name, device, dtype) is not None]

@@ -19,7 +19,7 @@ from .assemble import assemble
 from ..store.schema import tensor_key
 from .engine import DEFAULT_MAX_REPLAY_BYTES, EngineInput, EngineOutput, random_outputs_in_order, run_search
 from .evidence import input_evidence, param_grads_of
-from .findings import resolve_accepts
+from .findings import known_accepts, resolve_accepts
 from .isolate import UnitEvent, replay_module_backward, replay_module_forward, replay_op, GoldenMode, Unreplayable
 from .repro import write_culprit_repro
 from .result import BisectResult
@@ -81,6 +81,11 @@ def rule_of(rule: str, peer_device: Optional[str]) -> List[str]:
         return ["--rule mlu-ops without --peer: the baseline of its dynamic threshold (10 x the GPU's error in "
                 "mlu-ops) is the emulated peers, correct implementations in the DUT dtype"]
     return []
+
+
+def known_accepts_of(dut: Target) -> list:
+    """The documented stock findings of ``dut``'s device and dtype, as accepts."""
+    return known_accepts(dut.device.split(":")[0], str(dut.dtype).replace("torch.", ""))
 
 
 def check_options(direction: Optional[str], budgets: Any) -> Optional[Dict[str, Dict[str, Any]]]:
@@ -332,7 +337,8 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
            accept: Optional[Sequence[str]] = None,
            allow_narrowed: bool = False, repro: "str | os.PathLike | None" = None,
            max_elements: Optional[int] = None, peer: "str | Target | None" = None,
-           max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES, rule: str = "peer") -> BisectResult:
+           max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES, rule: str = "peer",
+           blame_known: bool = False) -> BisectResult:
     """Find the first unit (op, fused kernel or module) whose own arithmetic is wrong on the DUT.
 
     Runs the workload once on the DUT under capture (forward, and backward when it has a loss)
@@ -367,8 +373,10 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
         accept: findings read and accepted, ``["OP", "OP@SCOPE", ...]``: such an offending op is
             listed in ``accepted`` and the search goes on to the next culprit; the project's
             ``[tool.precisiondiff] accept`` (pyproject.toml or precisiondiff.toml) is added
-            (:mod:`precisiondiff.bisect.findings`).
-
+            (:mod:`precisiondiff.bisect.findings`). The documented stock findings of the DUT's
+            device and dtype are accepted too, unless ``blame_known``.
+        blame_known: judge the documented stock findings (``KNOWN_FINDINGS``) as offenders, as
+            any other op, instead of accepting them.
         allow_narrowed: run a float64 target or reference on a device that holds float64 as
             float32 as the float32 target it is (a note), instead of refusing it.
         repro, max_elements: write an op culprit's standalone repro into this directory
@@ -397,6 +405,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     started = time.perf_counter()
     dut, dut_note = checked_held(Target.parse(target) if target is not None else default_dut(),
                                  allow_narrowed=allow_narrowed)
+    accepts = accepts if blame_known else accepts + known_accepts_of(dut)
     ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     peer_device, peer_name = peer_of(peer, dut)
     rule_notes = rule_of(rule, peer_device)

@@ -147,7 +147,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 max_elements: Optional[int] = None, peer: "str | Target | None" = None,
                 workers: int = 1, distributed: bool = False,
                 max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES,
-                rule: str = "peer") -> BisectResult:
+                rule: str = "peer", blame_known: bool = False) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -164,6 +164,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         prepare: maps the dump's events to those searched (multi-rank bisect leaves collectives
             out and adapts DTensor op calls: :mod:`precisiondiff.bisect.ranks`).
         accept: accepted findings ``["OP[@SCOPE]", ...]`` (see :func:`precisiondiff.bisect.bisect`).
+        blame_known: judge the documented stock findings as offenders (see
+            :func:`precisiondiff.bisect.bisect`).
         allow_narrowed: a float64 ``ref`` on a device that holds float64 as float32 runs as
             the float32 target it is (a note), instead of being refused.
         repro, max_elements: write an op culprit's standalone repro into this directory
@@ -194,7 +196,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     """
     from ..runtime.workload import load_workload
     from .cost import cost_figures, step_cost
-    from .live import check_options, peer_of, rule_of, run_reference
+    from .live import check_options, known_accepts_of, peer_of, rule_of, run_reference
     overrides = check_options(direction, budgets)
     accepts = resolve_accepts(accept)
     started = time.perf_counter()
@@ -204,6 +206,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         raise BisectError(f"{dut_dump} was captured in {meta.get('mode')!r} mode; bisect needs "
                           "`precisiondiff capture WORKLOAD --mode replay`")
     dut = Target.parse(_dut_target(meta, dump))
+    accepts = accepts if blame_known else accepts + known_accepts_of(dut)
     ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")

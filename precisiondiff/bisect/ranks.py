@@ -103,7 +103,7 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
                  progress: Optional[Callable[[int, int, str], None]] = None,
                  max_candidates: int = 3, across_processes: bool = False,
                  group: Any = None, workers: int = 1,
-                 accept: Optional[Sequence[str]] = None) -> Optional[RanksBisectResult]:
+                 accept: Optional[Sequence[str]] = None, blame_known: bool = False) -> Optional[RanksBisectResult]:
     """Bisect a multi-rank job from its per-rank ``--mode replay`` dumps (module docstring).
 
     Args:
@@ -123,6 +123,8 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
             process of its own on this host (``bisect RUN_DIR --workers N``).
         accept: accepted findings ``["OP[@SCOPE]", ...]`` on every rank (see
             :func:`precisiondiff.bisect.bisect`); the result's ``accepted`` lists them with their rank.
+        blame_known: judge the documented stock findings as offenders (see
+            :func:`precisiondiff.bisect.bisect`).
 
     Returns:
         A :class:`RanksBisectResult`: ``culprit["rank"]`` names the rank; a wrong collective is
@@ -148,7 +150,7 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
     paths = {r: d.path for r, d in sorted(dump.ranks.items())}
 
     options = {"ref": ref, "direction": direction, "budgets": budgets, "max_candidates": max_candidates,
-               "accept": list(accept) if accept is not None else None}
+               "accept": list(accept) if accept is not None else None, "blame_known": blame_known}
 
     def one(rank: int) -> Tuple[BisectResult, List[Dict[str, Any]]]:
         def prog(done: int, total: int, label: str) -> None:

@@ -135,7 +135,8 @@ def _run_dir(group: Any, me: int, where: str, keep: Optional[str]) -> str:
 def bisect_script(script: "str | os.PathLike", args: Sequence[str] = (), *, keep: "str | os.PathLike | None" = None,
                   ref: str = "cpu/float64", direction: Optional[str] = None, budgets: Any = None,
                   seed: int = 0, progress: Optional[Callable[[int, int, str], None]] = None,
-                  max_candidates: int = 3, accept: Optional[Sequence[str]] = None) -> BisectResult:
+                  max_candidates: int = 3, accept: Optional[Sequence[str]] = None,
+                  blame_known: bool = False) -> BisectResult:
     """Capture a script's first step in replay mode and bisect it (module docstring).
 
     Call it in every process of the job (``torchrun``), before the job's process group exists
@@ -145,7 +146,8 @@ def bisect_script(script: "str | os.PathLike", args: Sequence[str] = (), *, keep
         script: the training script, run as ``__main__`` with ``args`` as its arguments.
         keep: keep the dumps in this directory (``keep/rank{N}``); default: a temporary one,
             removed at the end.
-        ref, direction, budgets, max_candidates, accept: as for :func:`precisiondiff.bisect.bisect_ranks`.
+        ref, direction, budgets, max_candidates, accept, blame_known: as for
+            :func:`precisiondiff.bisect.bisect_ranks`.
         seed: seeds Python's, NumPy's and torch's RNGs before the script runs.
         progress: called as ``progress(done, total, label)`` with this process's progress.
 
@@ -186,12 +188,13 @@ def bisect_script(script: "str | os.PathLike", args: Sequence[str] = (), *, keep
                                       "way bisect could not defer): capture with --keep DIR and run "
                                       "'torchrun ... precisiondiff bisect DIR'")
                 return bisect_dump(where, ref=ref, direction=direction, budgets=budgets, progress=progress,
-                                   max_candidates=max_candidates, accept=accept)
+                                   max_candidates=max_candidates, accept=accept, blame_known=blame_known)
             finally:
                 if alive and deferred:
                     dist.destroy_process_group()
         return _bisect_job(where, keep, deferred, bisect_ranks, ref=ref, direction=direction, budgets=budgets,
-                           progress=progress, max_candidates=max_candidates, accept=accept)
+                           progress=progress, max_candidates=max_candidates, accept=accept,
+                           blame_known=blame_known)
     finally:
         if keep is None:
             shutil.rmtree(where, ignore_errors=True)

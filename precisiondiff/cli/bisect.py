@@ -50,6 +50,9 @@ def _progress():
 @click.option("--budget", "budgets", multiple=True, metavar="[KEY:]FIELD=VALUE",
               help="op budget override (repeatable), e.g. --budget aten.mm:max_ulp=4")
 @click_options(ACCEPT)
+@click.option("--blame-known", "blame_known", is_flag=True, default=False,
+              help="judge the documented stock findings of the DUT's backend (docs/bisect.md, 'Findings on stock "
+                   "kernels') as any other op; by default they are passed over and listed in accepted")
 @click.option("--noise", is_flag=True, default=False,
               help="live: run the DUT twice; a nondeterministic op within 2x its run-to-run difference "
                    "is not a culprit")
@@ -87,7 +90,7 @@ def _progress():
                    "the emulated peers)")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, accept, noise,
            confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements, peer, workers,
-           max_replay_bytes, rule) -> None:
+           max_replay_bytes, rule, blame_known) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
@@ -98,7 +101,7 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
         _bisect_script(script, [a for a in (source, ref_dump) if a is not None] + list(script_args), keep,
                        target=target, workload=workload, noise=noise, confirm=confirm, ref=ref,
                        direction=direction, budgets=list(budgets), seed=seed, fmt=fmt, out=out, card_path=card_path,
-                       accept=list(accept))
+                       accept=list(accept), blame_known=blame_known)
     if keep is not None or script_args:
         raise BisectError("--keep and the arguments after -- go with --script FILE" if keep is not None else
                           f"too many arguments ({' '.join(script_args)}): bisect takes a WORKLOAD or DUT_DUMP "
@@ -147,7 +150,7 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
         if multi:
             result = bisect_ranks(source, ref=ref, workload=workload, direction=direction,
                                   budgets=list(budgets), progress=progress, across_processes=under_torchrun(),
-                                  workers=workers, accept=list(accept))
+                                  workers=workers, accept=list(accept), blame_known=blame_known)
             if result is None:  # a torchrun process other than 0: its verdicts went to process 0
                 sys.exit(0)
             if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -157,7 +160,7 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
             result = bisect_dump_distributed(source, ref_dump, ref=ref, workload=workload, direction=direction,
                                              budgets=list(budgets), progress=progress, accept=list(accept),
                                              allow_narrowed=allow_narrowed, peer=peer,
-                                             max_replay_bytes=replay_limit)
+                                             max_replay_bytes=replay_limit, blame_known=blame_known)
             if result is None:
                 sys.exit(0)
             if result.exit_code == 1 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -167,12 +170,13 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                                  budgets=list(budgets), progress=progress, accept=list(accept),
                                  allow_narrowed=allow_narrowed, repro=repro_dir, max_elements=max_elements,
                                  peer=peer, workers=workers, max_replay_bytes=replay_limit,
-                                 rule=rule)
+                                 rule=rule, blame_known=blame_known)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,
                               accept=list(accept), allow_narrowed=allow_narrowed, repro=repro_dir,
-                              max_elements=max_elements, peer=peer, max_replay_bytes=replay_limit, rule=rule)
+                              max_elements=max_elements, peer=peer, max_replay_bytes=replay_limit, rule=rule,
+                              blame_known=blame_known)
     _emit(result, card, multi, fmt, out)
 
 

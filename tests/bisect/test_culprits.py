@@ -76,9 +76,23 @@ def test_a_documented_finding_is_annotated_known(monkeypatch):
     monkeypatch.setitem(findings.KNOWN_FINDINGS, FIRST, {
         "device": "cpu", "dtype": "bfloat16", "finding": "a stale scale on the bf16 path",
         "measured": "x(1 + 2^-4), planted"})
-    r = bisect(planted_pair.two_bugs_workload, target="cpu/bf16")
+    r = bisect(planted_pair.two_bugs_workload, target="cpu/bf16", blame_known=True)
     assert r.culprit["known"].startswith("known: a stale scale") and "known" not in r.culprits[1]
     assert findings.known_finding(FIRST, "cuda", "bfloat16") is None
+
+
+def test_a_documented_finding_is_passed_over_by_default(monkeypatch):
+    """A documented stock finding of the DUT's backend is accepted, listed with its measurement: the
+    next offender is the culprit; on another dtype the same op offends."""
+    monkeypatch.setitem(findings.KNOWN_FINDINGS, FIRST, {
+        "device": "cpu", "dtype": "bfloat16", "finding": "a stale scale on the bf16 path",
+        "measured": "x(1 + 2^-4), planted"})
+    r = bisect(planted_pair.two_bugs_workload, target="cpu/bf16")
+    assert r.verdict == "kernel" and r.culprit["name"] == SECOND, r.culprit
+    assert _names(r.accepted) == [(FIRST, "a")] and r.accepted[0]["known"].startswith("known: a stale scale")
+    assert any("--blame-known" in n and FIRST in n for n in r.notes), r.notes
+    monkeypatch.setitem(findings.KNOWN_FINDINGS, FIRST, dict(findings.KNOWN_FINDINGS[FIRST], dtype="float16"))
+    assert bisect(planted_pair.two_bugs_workload, target="cpu/bf16").culprit["name"] == FIRST
 
 
 def test_cli_accept_and_exit_codes(tmp_path):
