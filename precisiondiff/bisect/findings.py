@@ -33,6 +33,13 @@ KNOWN_FINDINGS: Dict[str, Dict[str, str]] = {
         "measured": "grad_bias rel-L2 4.9e-3 vs 1.5e-3 for float32 rounded once (24 rows x 64), 3.9e-2 vs 1.7e-3 "
                     "(2048 rows), same on AVX512/AVX2/DEFAULT, torch 2.13 (docs/bisect.md, Findings on stock kernels)",
     },
+    "aten.embedding_dense_backward.default": {
+        "device": "cpu", "dtype": "bfloat16",
+        "finding": "CPU bf16 embedding backward sums the gradient rows of a repeated index with a bf16 running sum",
+        "measured": "one index x24 rows of 128: bit for bit a sequential bf16 running sum (3 of 3 seeds), rel-L2 "
+                    "5.7e-3 vs 1.6e-3 for float32 rounded once (BERT's token-type embedding: 0.0169 vs 0.00155), "
+                    "same on AVX512/AVX2/DEFAULT, torch 2.13 (docs/bisect.md, Findings on stock kernels)",
+    },
     "aten._foreach_mul_.Scalar": {
         "device": "cpu", "dtype": "bfloat16",
         "finding": "the in-place CPU bf16 foreach multiply rounds its scalar to bf16 first (SGD momentum 0.9 -> "

@@ -128,7 +128,8 @@ def _offender_lines(culprits: List[dict]) -> List[str]:
                        f"worst {_num(peer.get('max_error'))} vs {_num(peer.get('peer_max_error'))}")
         else:
             figures = f"rel-L2 {_num(loc.get('rel_l2'))} = {_num(loc.get('ratio_to_rounding'))}x rounding"
-        lines.append(f"  {i}. {u['kind']} {u['name']} in {u['scope'] or '<root>'} ({u['direction']}, call "
+        where = f" on rank {u['rank']}" if u.get("rank") is not None else ""
+        lines.append(f"  {i}. {u['kind']} {u['name']} in {u['scope'] or '<root>'}{where} ({u['direction']}, call "
                      f"{u['call']}): {figures}" + (f" [{u['known'].split(' (')[0]}]" if u.get("known") else ""))
     return lines
 
