@@ -89,7 +89,8 @@ def summary_lines(r: BisectResult) -> List[str]:
             lines.append(f"substitution: final error {_num(conf['final_error_before'])} -> "
                          f"{_num(conf['final_error_after_substitution'])}")
     else:
-        lines.append(f"final error {_num(r.final_error)} (parity bound {_num(r.parity_bound)}); no unit over budget")
+        final = "not compared" if r.final_error is None else _num(r.final_error)
+        lines.append(f"final error {final} (parity bound {_num(r.parity_bound)}); no unit over budget")
         for g in r.growth[:3]:
             lines.append(f"  error grows in {g['scope'] or '<root>'} ({g['direction']}): local rel-L2 "
                          f"{_num(g['local'].get('rel_l2'))}")
@@ -106,15 +107,31 @@ def summary_lines(r: BisectResult) -> List[str]:
                      f"{len(within)} over budget but within {_num(r.noise.get('factor'))}x their noise"
                      + (": " + ", ".join(f"{w['scope'] or '<root>'}/{w['name']}" for w in within[:3])
                         + (" ..." if len(within) > 3 else "") if within else ""))
-    for a in r.accepted:
-        lines.append(f"accepted: {a['kind']} {a['name']} in {a['scope'] or '<root>'} ({a['direction']}, call "
-                     f"{a['call']})" + (f" [{a['known'].split(' (')[0]}]" if a.get("known") else ""))
+    lines.extend(_accepted_lines(r.accepted))
     for n in r.notes:
         lines.append(f"note: {n}")
     cost = r.cost
     steps = f"{_num(cost.get('steps'))} steps of the workload = " if cost.get("steps") is not None else ""
     lines.append(f"cost: {cost.get('dut_runs')} DUT runs, {cost.get('ref_runs')} reference runs, "
                  f"{steps}{_num(cost.get('forward_equivalents'))} forward-equivalents, {_num(cost.get('wall_s'))} s")
+    return lines
+
+
+def _accepted_lines(accepted: List[dict]) -> List[str]:
+    """The accepted units: each one the user accepted; the documented stock findings grouped by op
+    (one line per op, with the number of calls and the first scopes)."""
+    lines, known = [], {}
+    for a in accepted:
+        where = f" on rank {a['rank']}" if a.get("rank") is not None else ""
+        if a.get("known"):
+            known.setdefault(a["name"], []).append(f"{a['scope'] or '<root>'}{where} ({a['direction']})")
+            continue
+        lines.append(f"accepted: {a['kind']} {a['name']} in {a['scope'] or '<root>'}{where} ({a['direction']}, call "
+                     f"{a['call']})")
+    for name, places in known.items():
+        finding = next(a["known"] for a in accepted if a["name"] == name and a.get("known")).split(" (")[0]
+        shown = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
+        lines.append(f"passed over, {len(places)} call(s) of {name} [{finding}]: {shown}")
     return lines
 
 
