@@ -35,13 +35,14 @@ class Tiny(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(callbacks=(), *, steps=3, accumulate=1):
+def _fit(callbacks=(), *, steps=3, accumulate=1, precision="32-true"):
     torch.manual_seed(0)
     module = Tiny()
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(24, 6, generator=g), torch.randn(24, 3, generator=g))
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate,
+                        precision=precision,
                         callbacks=list(callbacks))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     return module, {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -101,3 +102,15 @@ def test_watch_logs_each_step_and_leaves_the_parameters_bitwise_equal(tmp_path, 
     for record in log.steps:
         assert record["params"]["net.0.weight"]["grad"] > 0  # read after the closure's backward
         assert "net.0" in {key.split("#")[0].split(":")[0] for key in record["tensors"]}
+
+
+def test_a_bf16_training_step_compares_with_the_float64_one_without_a_failing_row(tmp_path):
+    """Lightning's own precisions: ``bf16-true`` against ``64-true``, the first step, every event."""
+    for name, precision in (("bf16", "bf16-true"), ("f64", "64-true")):
+        callback = CaptureCallback(tmp_path / name, level="all", steps="0")
+        _fit([callback], steps=1, precision=precision)
+        assert callback.error is None, callback.error
+    result = precisiondiff.compare(str(tmp_path / "bf16"), str(tmp_path / "f64"))
+    s = result.summary
+    assert s["failed"] == 0 and s["unmatched_a"] == 0 and s["tensors"] > 20, s
+    assert {r.direction for r in result.rows if r.match != "none"} >= {"forward", "backward", "optimizer"}
