@@ -68,6 +68,22 @@ def peer_of(peer: "str | Target | None", dut: Target) -> "tuple[Optional[str], s
     return target.device, str(target)
 
 
+def self_peer_notes(dut: Target, ref: Target) -> List[str]:
+    """The warning for a DUT whose float32 peer is its own kernel: a float32 (or float64) DUT on the
+    reference's device type. The emulated float32 peer replays each op in float32 on the reference
+    device: there it is the DUT's kernel itself, so no op can err more than its peers and the verdict
+    is blind (a custom op wrong in float32 on cpu/float32 is not named; on one GPU, TF32 against
+    itself). Not changed in the judging: a note, until the peer runs elsewhere (docs/bisect.md)."""
+    if dut.autocast or dut.dtype not in (torch.float32, torch.float64):
+        return []
+    if dut.device.split(":")[0] != ref.device.split(":")[0]:
+        return []
+    return [f"WARNING: the emulated float32 peer of a {dut} DUT runs on the reference's device ({ref.device}) in "
+            "the DUT's own dtype, so it is the DUT's own kernel: an op wrong in that dtype cannot exceed its "
+            "peer and is not named. Put the reference on another device (e.g. --ref cpu/float64 for a GPU or "
+            "MLU DUT) or register a reference implementation (precisiondiff.register_reference)"]
+
+
 def rule_of(rule: str, peer_device: Optional[str]) -> List[str]:
     """Check ``--rule``; the notes the report carries for it (mlu-ops without a real peer).
 
@@ -408,7 +424,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     accepts = accepts if blame_known else accepts + known_accepts_of(dut)
     ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     peer_device, peer_name = peer_of(peer, dut)
-    rule_notes = rule_of(rule, peer_device)
+    rule_notes = rule_of(rule, peer_device) + self_peer_notes(dut, ref_t)
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     wl = load_workload(workload, seed=seed)

@@ -196,7 +196,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     """
     from ..runtime.workload import load_workload
     from .cost import cost_figures, step_cost
-    from .live import check_options, known_accepts_of, peer_of, rule_of, run_reference
+    from .live import check_options, known_accepts_of, peer_of, rule_of, run_reference, self_peer_notes
     overrides = check_options(direction, budgets)
     accepts = resolve_accepts(accept)
     started = time.perf_counter()
@@ -211,7 +211,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     peer_device, peer_name = peer_of(peer, dut)
-    rule_notes = rule_of(rule, peer_device)
+    rule_notes = rule_of(rule, peer_device) + self_peer_notes(dut, ref_t)
     every = events_from_dump(dump, all_steps=prepare is None)  # training steps: each one judged
     if prepare is not None:
         every = prepare(every)

@@ -129,3 +129,15 @@ def test_pair(parity):
     res = pytester.runpytest("-p", "no:cacheprovider", "--parity-target", "cpu/bf16", "--parity-accept",
                              "pdpair.first", "-s")
     res.assert_outcomes(passed=1)
+
+
+def test_a_float32_dut_on_the_reference_device_is_warned_that_its_peer_is_itself():
+    """cpu/float32 against cpu/float64: the emulated float32 peer is the DUT's own kernel."""
+    from precisiondiff.bisect.live import self_peer_notes
+    from precisiondiff.runtime import Target
+    r = bisect(planted_pair.two_bugs_workload, target="cpu/float32")
+    assert any(n.startswith("WARNING: the emulated float32 peer") for n in r.notes), r.notes
+    assert not any("emulated float32 peer" in n for n in bisect(planted_pair.two_bugs_workload,
+                                                                  target="cpu/bf16").notes)
+    assert self_peer_notes(Target.parse("cuda/float32"), Target.parse("cpu/float64")) == []
+    assert self_peer_notes(Target.parse("cuda/float32"), Target.parse("cuda:1/float64")) != []
