@@ -186,7 +186,8 @@ def _bisect_rank(rank: int, path: Path, options: Dict[str, Any],
     """One rank's own ops, from its dump: its result and the DTensor op calls left out."""
     left: List[Dict[str, Any]] = []
     try:
-        res = bisect_dump(path, progress=progress, prepare=prepare_events(placements_of(path), left), **options)
+        res = bisect_dump(path, progress=progress, prepare=prepare_events(placements_of(path), left, rank),
+                          **options)
     except BisectError as err:
         raise BisectError(f"rank {rank}: {err}") from err
     return res, left

@@ -100,6 +100,10 @@ def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int
     stack = list(inner)  # only nodes that are not boundaries are ever pushed
     seen: set = set()
     edges: list = []
+    # an inner call with several outputs (a fused QKV projection's q, k, v) is reached once per
+    # output, each time through the same shortcut: its edges are taken once, or grad_input
+    # would sum the same gradient once per output
+    have: set = set()
     boundary_key = boundary.key
     while stack:
         node = stack.pop()
@@ -110,8 +114,11 @@ def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int
         jump = shortcuts.get(key)
         if jump is not None:  # an inner module's output: continue from that module's inputs
             inner_nodes, inner_edges = jump
-            edges.extend((n, j, boundary.key_of_id(k)) for n, j, k in inner_edges
-                         if boundary.key_of_id(k) is not None)
+            for n, j, k in inner_edges:
+                target = boundary.key_of_id(k)
+                if target is not None and (id(n), j) not in have:
+                    have.add((id(n), j))
+                    edges.append((n, j, target))
             stack.extend(n for n in inner_nodes if boundary_key(n) is None)
             continue
         metadata = node.metadata
@@ -122,7 +129,9 @@ def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int
                 continue
             target = boundary_key(nxt)
             if target is not None:
-                edges.append((node, j, target))
+                if (key, j) not in have:
+                    have.add((key, j))
+                    edges.append((node, j, target))
             else:
                 stack.append(nxt)
     # what an outer module needs to skip this call: its input nodes, and its edges with the

@@ -23,6 +23,12 @@ def shard_row(row: Row, da: Any, db: Any, ra: Any, rb: Any, judge: Judge, device
     fields = layout.fields(rank, ra.key) if layout is not None else None
     row.bitwise = None
     if fields is None:
+        same = layout.ambiguous(rank, ra.key) if layout is not None else None
+        if same:
+            return _unmatched(row, f"{ra.key}: shape {list(ra.shape)} on rank {rank}, {list(rb.shape)} in the "
+                                   "single-process reference, no DTensor placements recorded, and its content is "
+                                   f"that of DTensor shards of different layouts ({', '.join(same[:2])}): "
+                                   "which one it is cannot be told; not compared")
         return _unmatched(row, f"{ra.key}: shape {list(ra.shape)} on rank {rank}, {list(rb.shape)} in the "
                                "single-process reference, and no DTensor placements recorded: not compared")
     where = f"{ra.key} ({' '.join(fields['placements'])} of {fields.get('global_shape')})"

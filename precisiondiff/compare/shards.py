@@ -140,6 +140,10 @@ def combine_stats(parts: List[Dict[str, Any]], numels: List[int]) -> Dict[str, A
     return out
 
 
+def _layout(rec: Dict[str, Any]) -> tuple:
+    return (tuple(rec.get("placements") or ()), tuple(rec.get("global_shape") or ()), tuple(rec.get("mesh") or ()))
+
+
 def _content(rec: Dict[str, Any]) -> Optional[tuple]:
     fingerprint = (rec.get("stats") or {}).get("fingerprint")
     if not fingerprint:
@@ -155,6 +159,7 @@ class ShardLayout:
         self.dump = dump
         self._fields: Dict[int, Dict[str, Dict[str, Any]]] = {}
         self._gathered: Dict[int, Dict[str, TensorRecord]] = {}
+        self._ambiguous: Dict[int, Dict[str, List[str]]] = {}
 
     def _load(self, rank: int) -> None:
         from ..store.reader import iter_index
@@ -162,6 +167,8 @@ class ShardLayout:
         gathered: Dict[str, TensorRecord] = {}
         sub = self.dump.ranks.get(rank)
         by_content: Dict[tuple, Dict[str, Any]] = {}
+        conflicts: Dict[tuple, List[Dict[str, Any]]] = {}
+        ambiguous: Dict[str, List[str]] = {}
         if sub is not None:
             for _, obj, _ in iter_index(sub.path, strict=False):
                 records = (obj or {}).get("tensors") or ()
@@ -171,21 +178,32 @@ class ShardLayout:
                 for rec in records:
                     if rec.get("placements"):
                         fields[rec["key"]] = rec
-                        if is_sharded(rec) and _content(rec) is not None:
-                            by_content.setdefault(_content(rec), rec)
+                        content = _content(rec) if is_sharded(rec) else None
+                        if content is not None:
+                            first = by_content.setdefault(content, rec)
+                            if _layout(first) != _layout(rec):
+                                conflicts.setdefault(content, [first]).append(rec)
             if by_content:
-                self._infer(sub, fields, by_content)
+                self._infer(sub, fields, by_content, conflicts, ambiguous)
         self._fields[rank], self._gathered[rank] = fields, gathered
+        self._ambiguous[rank] = ambiguous
 
     @staticmethod
-    def _infer(sub: Any, fields: Dict[str, Dict[str, Any]], by_content: Dict[tuple, Dict[str, Any]]) -> None:
+    def _infer(sub: Any, fields: Dict[str, Dict[str, Any]], by_content: Dict[tuple, Dict[str, Any]],
+               conflicts: Dict[tuple, List[Dict[str, Any]]], ambiguous: Dict[str, List[str]]) -> None:
         """A plain tensor with the content, dtype and shape of a shard recorded on the same rank
         is that shard after ``to_local()`` (a TP plan's ``use_local_output``, a backward's
-        grad_output): it takes the shard's placements, noted ``inferred_from``."""
+        grad_output): it takes the shard's placements, noted ``inferred_from``. When shards of
+        different layouts (placements, global shape, mesh) have that content, which one it is
+        cannot be told: it is not resolved (``ambiguous``: key -> those shards' keys)."""
         from ..store.reader import iter_index
         for _, obj, _ in iter_index(sub.path, strict=False):
             for rec in (obj or {}).get("tensors") or ():
-                shard = by_content.get(_content(rec)) if not rec.get("placements") else None
+                content = _content(rec) if not rec.get("placements") else None
+                if content in conflicts:
+                    ambiguous[rec["key"]] = [r["key"] for r in conflicts[content]]
+                    continue
+                shard = by_content.get(content) if content is not None else None
                 if shard is not None and rec["key"] not in fields:
                     fields[rec["key"]] = {**rec, "inferred_from": shard["key"],
                                           **{k: shard[k] for k in ("placements", "global_shape", "mesh",
@@ -196,6 +214,12 @@ class ShardLayout:
         if rank not in self._fields:
             self._load(rank)
         return self._fields[rank].get(key)
+
+    def ambiguous(self, rank: int, key: str) -> Optional[List[str]]:
+        """The keys of the shards of different layouts whose content plain tensor ``key`` has, if any."""
+        if rank not in self._fields:
+            self._load(rank)
+        return self._ambiguous[rank].get(key)
 
     def sharded_keys(self, rank: int) -> set:
         """Keys of ``rank`` that hold a shard or partial sum."""
