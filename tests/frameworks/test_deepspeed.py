@@ -339,8 +339,13 @@ def test_two_rank_zero_watch_combines_to_the_one_rank_norms(watched_zero2_two_ra
         for name, fields in params.items():
             for what, value in fields.items():
                 assert combined[step][name][what] == pytest.approx(value, rel=1e-5), (step, name, what)
-    r = _run("compare", str(watched_zero2_two_ranks), str(watched_zero2[0]))
+    # compare combines the layouts the same way (watch/layouts.py): every parameter, within rounding
+    r = _run("compare", str(watched_zero2_two_ranks), str(watched_zero2[0]), "--format", "json")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    errors = json.loads(r.stdout)["errors"]
+    compared = {k.rpartition(":")[0] for k, v in errors.items() if k.endswith(":weight") and None not in v}
+    assert len(compared) == PARAMS, sorted(compared)
+    assert max(e for k, v in errors.items() if k.endswith((":grad", ":weight")) for e in v) < 1e-5
 
 
 # -- ZeRO-3 (one process) ---------------------------------------------------------------------------
