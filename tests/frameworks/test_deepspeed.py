@@ -1,6 +1,6 @@
 """DeepSpeed as a user runs it: ``deepspeed.initialize`` on a tiny random GPT-2 of transformers'
-own code, ZeRO 1 and 2, bf16, ``engine.backward`` / ``engine.step``, under ``precisiondiff
-capture --script``, ``bisect --script``, the Python API, and ``torchrun`` with 2 gloo ranks
+own code, ZeRO 1, 2 and 3, bf16, ``engine.backward`` / ``engine.step``, under ``precisiondiff
+capture --script``, ``bisect --script``, ``watch --script``, the Python API, and ``torchrun`` with 2 gloo ranks
 (examples/frameworks/deepspeed_gpt2.py, unmodified framework code; DS_ACCELERATOR=cpu). Skipped
 without deepspeed. The first DeepSpeed start on a machine compiles its shared-memory comm op
 (minutes); later starts reuse it. Each DeepSpeed start costs ~15 s of CPU: the runs are
