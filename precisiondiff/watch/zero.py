@@ -46,11 +46,17 @@ def _named(w: Any) -> List[Tuple[str, torch.Tensor]]:
 def _fragments(w: Any, optimizer: Any) -> Optional[List[Fragment]]:
     """This rank's fragments of the partitions ``optimizer`` steps now (cached per partition set:
     ZeRO-3 steps its sub-groups one at a time); None for an optimizer of no ZeRO engine."""
+    plain: set = w.__dict__.setdefault("_zero_plain", set())
+    if id(optimizer) in plain:  # an optimizer of no ZeRO engine (the common case): one set lookup a step
+        return None
     cache: Dict[tuple, Optional[List[Fragment]]] = w.__dict__.setdefault("_zero_fragments", {})
     flats = tuple(id(p) for group in getattr(optimizer, "param_groups", []) or [] for p in group.get("params", []))
     key = (id(optimizer), flats)
     if key not in cache:
         found = zero_fragments(optimizer, _named(w))
+        if found is None and not any(k[0] == id(optimizer) for k in cache):
+            plain.add(id(optimizer))
+            return None
         cache[key] = found
         if found:
             held: Dict[str, Fragment] = w.__dict__.setdefault("_zero_held", {})
