@@ -8,6 +8,7 @@ on a GPU or MLU machine leave DS_ACCELERATOR unset):
     DS_ACCELERATOR=cpu precisiondiff bisect --script examples/frameworks/deepspeed_gpt2.py -- --zero 1 --plant
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 -m precisiondiff.cli capture --script \
         examples/frameworks/deepspeed_gpt2.py -o runs/ds2 -- --zero 2
+    DS_ACCELERATOR=cpu precisiondiff watch --script examples/frameworks/deepspeed_gpt2.py -o runs/w -- --zero 3
 
 ``--zero N`` ZeRO stage (1, 2 or 3), ``--fp32`` turns bf16 off, ``--steps`` optimizer steps,
 ``--plant`` replaces block 1's MLP activation with a custom op (``pdframeworks::rough_gelu``)

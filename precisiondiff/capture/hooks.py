@@ -164,7 +164,7 @@ _set_grad_enabled = torch._C._set_grad_enabled
 def _gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
     """``param.grad``, or where a framework keeps it instead (DeepSpeed ZeRO-1/2: :mod:`.deepspeed`)."""
     grad = param.grad
-    if grad is None and getattr(param, "_hp_mapping", None) is not None:
+    if grad is None and (getattr(param, "_hp_mapping", None) is not None or hasattr(param, "ds_id")):
         from .deepspeed import zero_gradient
         grad = zero_gradient(param)
     return grad
@@ -198,7 +198,8 @@ class ModuleHooks:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
         if type(root).__name__ == "DeepSpeedEngine":  # ZeRO keeps gradients out of p.grad (deepspeed.py)
             from .deepspeed import zero_step_hook
-            handle = zero_step_hook(root, self._take_param_grads)
+            handle = zero_step_hook(root, self._take_param_grads, wanted=self._zero_gathers, quiet=self.suspended,
+                                    on_error=self.capture_failed)
             if handle is not None:
                 self._handles.append(handle)
 
@@ -249,6 +250,12 @@ class ModuleHooks:
 
     def _param_names(self) -> Dict[int, str]:
         return {pid: f"{scope}.{pname}" if scope else pname for pid, (scope, _, pname) in self._param_owner.items()}
+
+    def _zero_gathers(self) -> bool:
+        """Whether ZeRO's gradients are gathered at this step: the same answer on every rank
+        (its collectives), errors and ``--ranks`` aside."""
+        rec = self.recorder
+        return rec is not None and self.level != "op" and self.filter.want_step(rec.step)
 
     def _take_param_grads(self) -> None:
         """Parameter gradients now (before a framework's step moves or clips them); never raises."""

@@ -137,6 +137,8 @@ class Update:
         self.label = label
         self.cls = cls
         self.optimizer = optimizer
+        # ZeRO: id(flat partition) -> (weakref, [(owner, start, numel)]): its parameters' slices (deepspeed.py)
+        self.fragments: Dict[int, Tuple[Any, List[Tuple[Owner, int, int]]]] = {}
         self._owners: Dict[int, Tuple[Any, Owner]] = {}
         self._scanned = -1
         self._params: List[Tuple[Owner, torch.Tensor]] = []
@@ -271,11 +273,18 @@ class Updates:
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         pending: Optional[list] = None
+        cuts = None
         try:
             calls = list_slices(func, info.name, args, kwargs)
+            if calls is None and update.fragments:
+                cuts = _fragment_cuts(update, func, info.name, args, kwargs)
             n = len(calls) if calls is not None else None
-            pending = [self._begin_event(session, update, info, a, k, i if n is not None else None, n)
-                       for i, (a, k) in enumerate(calls if calls is not None else [(args, kwargs)])]
+            if cuts is not None:
+                pending = [self._begin_event(session, update, info, a, k, None, None, owner=owner,
+                                             fragment=(start, numel)) for owner, a, k, start, numel in cuts]
+            else:
+                pending = [self._begin_event(session, update, info, a, k, i if n is not None else None, n)
+                           for i, (a, k) in enumerate(calls if calls is not None else [(args, kwargs)])]
         except Exception as err:  # noqa: BLE001 - capture's own error
             session.capture_failed(err)
         finally:
@@ -287,9 +296,13 @@ class Updates:
         try:
             returned = list(out) if n is not None and isinstance(out, (list, tuple)) and len(out) == n else None
             for i, item in enumerate(pending):
-                if item is not None:
-                    self._finish_event(session, update, func, item, out if n is None else
-                                       ([returned[i]] if returned is not None else None))
+                if item is None:
+                    continue
+                if cuts is not None:  # a fragment's slice of what the op returned
+                    self._finish_event(session, update, func, item, _narrow(out, cuts[i][3], cuts[i][4], args))
+                    continue
+                self._finish_event(session, update, func, item, out if n is None else
+                                   ([returned[i]] if returned is not None else None))
         except Exception as err:  # noqa: BLE001
             session.capture_failed(err)
         finally:
@@ -298,9 +311,11 @@ class Updates:
 
     @staticmethod
     def _begin_event(session: "CaptureSession", update: Update, info: Any, args: tuple, kwargs: dict,
-                     index: Optional[int], n: Optional[int]) -> Optional[tuple]:
+                     index: Optional[int], n: Optional[int], owner: Optional[Owner] = None,
+                     fragment: Optional[Tuple[int, int]] = None) -> Optional[tuple]:
         inputs = _flat_inputs(args, kwargs)
-        owner = update.owner_of(inputs)
+        if fragment is None:
+            owner = update.owner_of(inputs)
         scope = update.scope(owner)
         if not session.filter.want_scope(scope):
             return None
@@ -311,6 +326,8 @@ class Updates:
             if id(t) not in event.slots and id(t) not in skip:
                 rec.add(event, f"input.{j}", t)
         event.extra = {"optimizer": update.describe(owner, index, n)}
+        if fragment is not None:  # this parameter's slice of a ZeRO flat partition
+            event.extra["optimizer"]["fragment"] = {"start": fragment[0], "numel": fragment[1]}
         return event, args, kwargs, owner
 
     @staticmethod
@@ -403,8 +420,40 @@ def patch_updates(session: "CaptureSession") -> List[_Patch]:
     return patches
 
 
+def _fragment_cuts(update: Update, func: Any, name: str, args: tuple, kwargs: dict) -> Optional[list]:
+    from .deepspeed import fragment_slices
+    return fragment_slices(update.fragments, func, name, args, kwargs, _flat_inputs(args, kwargs))
+
+
+def _narrow(out: Any, start: int, numel: int, args: tuple) -> Any:
+    """A fragment's slice ``[start, start + numel)`` of the partition-length tensors an op returned."""
+    full = {id(a) for a in flatten_tensors(args)}
+    def cut(t: Any) -> Any:
+        if isinstance(t, _Tensor) and t.dim() == 1 and t.numel() > 1 and id(t) not in full:
+            return t.narrow(0, start, numel)
+        return t
+    if isinstance(out, (list, tuple)):
+        return type(out)(cut(t) for t in out)
+    if isinstance(out, _Tensor) and id(out) in full:  # an in-place op returns its (whole) argument
+        return None
+    return cut(out)
+
+
 def optimizer_update(session: "CaptureSession", optimizer: Any, names: Dict[int, str]) -> Update:
-    """The update of one ``optimizer.step()``."""
-    return Update(session._updates.optimizer_name(optimizer), names, _optimizer_params(optimizer),
-                  optimizer=optimizer, cls=type(optimizer).__name__)
+    """The update of one ``optimizer.step()`` (under a ZeRO engine: each element-wise op on a
+    flat partition recorded per model parameter, capture/deepspeed.py)."""
+    from .deepspeed import FLAT_PARTITION, wrapped_by_zero, zero_fragments, zero_lp_params
+    zero = wrapped_by_zero(optimizer)
+    fragments = None
+    if zero is not None:
+        fragments = zero_fragments(optimizer, [(names[id(p)], p) for p in zero_lp_params(zero) if id(p) in names])
+        if fragments:
+            names = {**names, **{id(f.flat): FLAT_PARTITION for f in fragments}}
+    update = Update(session._updates.optimizer_name(optimizer), names, _optimizer_params(optimizer),
+                    optimizer=optimizer, cls=type(optimizer).__name__)
+    for f in fragments or ():
+        group = next((g for g, p in _optimizer_params(optimizer) if p is f.flat), None)
+        entry = update.fragments.setdefault(id(f.flat), (weakref.ref(f.flat), []))
+        entry[1].append(((group, f.name), f.start, f.numel))
+    return update
 

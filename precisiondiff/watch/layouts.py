@@ -11,7 +11,9 @@ Per step, for each quantity every rank holds:
   are the ranks' weighted by their element counts; the fingerprint is the ranks' together;
 - a parameter's norm (weight, grad, ``state.*``) equal on every rank is replicated; otherwise
   the square root of the sum of squares; ``update_ratio`` is recombined from each rank's
-  ‖Δw‖ = ratio·‖w‖ and the global ‖w‖;
+  ‖Δw‖ = ratio·‖w‖ and the global ‖w‖; a parameter only some ranks log (DeepSpeed ZeRO: each
+  rank logs those it holds a fragment of, marked ``ZeRO`` in the header's ``model.shards``,
+  watch/zero.py) combines over those ranks, and a ZeRO fragment is never taken as replicated;
 - the loss is the ranks' mean (each rank's loss is a mean over its equal share of the batch);
 - when the ranks' losses differ (data parallelism: R ranks see different data), each rank's
   activation gradients are those of its own mean loss, R times its share of the global mean's
@@ -76,18 +78,21 @@ def _root_sum_squares(values: List[float]) -> float:
     return math.sqrt(sum(v * v for v in values))
 
 
-def _combine_params(params: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
+def _combine_params(params: List[Dict[str, Dict[str, float]]], fragments: frozenset = frozenset()) -> Dict[str, Dict[str, float]]:
+    """Each parameter's norms over the ranks that logged it (``fragments``: names the headers
+    mark as ZeRO fragments, never taken as replicated even where the ranks' numbers agree)."""
     out: Dict[str, Dict[str, float]] = {}
-    for name in params[0]:
-        per_rank = [p.get(name) for p in params]
-        if any(p is None for p in per_rank):
-            continue
+    names = dict.fromkeys(name for p in params for name in p)
+    for name in names:
+        # a parameter some ranks do not log is held by the others alone (DeepSpeed ZeRO's
+        # fragments: watch/zero.py): its shards are those ranks' numbers
+        per_rank = [p[name] for p in params if name in p]
         combined: Dict[str, float] = {}
         for what in per_rank[0]:
             values = [p.get(what) for p in per_rank]
             if any(v is None for v in values):
                 continue
-            if all(v == values[0] for v in values):
+            if name not in fragments and all(v == values[0] for v in values):
                 combined[what] = values[0]
             elif what == "update_ratio":
                 weights = [p.get("weight") for p in per_rank]
@@ -101,7 +106,7 @@ def _combine_params(params: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict
     return out
 
 
-def _combine_step(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _combine_step(records: List[Dict[str, Any]], fragments: frozenset = frozenset()) -> Dict[str, Any]:
     keys = [k for k in records[0]["tensors"] if all(k in r["tensors"] for r in records)]
     losses = [r.get("loss") for r in records]
     loss = None if any(x is None for x in losses) else sum(losses) / len(losses)
@@ -112,7 +117,7 @@ def _combine_step(records: List[Dict[str, Any]]) -> Dict[str, Any]:
 
     out = {"step": records[0]["step"], "loss": loss,
            "tensors": {k: _combine_tensor([r["tensors"][k] for r in records], scale(k)) for k in keys},
-           "params": _combine_params([r.get("params", {}) for r in records])}
+           "params": _combine_params([r.get("params", {}) for r in records], fragments)}
     if records[0].get("dtypes"):
         out["dtypes"] = records[0]["dtypes"]
     return out
@@ -128,9 +133,11 @@ def global_log(logs: Dict[int, WatchLog]) -> WatchLog:
     by_step = [lg.by_step() for lg in ranks]
     steps = sorted(set.intersection(*(set(b) for b in by_step)))
     dtypes = next((r.get("dtypes") for r in first.steps if r.get("dtypes")), None)
+    fragments = frozenset(name for lg in ranks for name, f in lg.header.get("model", {}).get("shards", {}).items()
+                          if f.get("placements") == ["ZeRO"])
     records = []
     for s in steps:
-        record = _combine_step([b[s] for b in by_step])
+        record = _combine_step([b[s] for b in by_step], fragments)
         if dtypes and not records:
             record["dtypes"] = dtypes
         records.append(record)

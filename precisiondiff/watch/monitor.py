@@ -44,6 +44,7 @@ from .log import FIELDS, LOG_FILE, LogWriter
 from .replay import ReplayWindow
 from .shards import shard_fields
 from .trigger import Triggers
+from .zero import zero_after, zero_before, zero_shape, zero_shards
 
 __all__ = ["Watch", "WatchWarning", "watch", "LEVELS", "layer_modules", "losses_from_backward"]
 
@@ -449,6 +450,8 @@ class Watch:
         return after_closure(args, kwargs, before_update)  # a closure's backward comes first
 
     def _grad_norms_and_copies(self, optimizer: Any) -> None:
+        if zero_before(self, optimizer):  # a DeepSpeed ZeRO partition: per parameter fragment (zero.py)
+            return
         params = self._param_list(optimizer)
         self._grad_norms(params)
         if self._params_full:
@@ -460,6 +463,9 @@ class Watch:
             return
         try:
             with torch.no_grad(), self._quiet():
+                if zero_after(self, optimizer):  # a DeepSpeed ZeRO partition: per parameter fragment (zero.py)
+                    self._params_done = True
+                    return
                 params = self._param_list(optimizer)
                 weights = _norms([p for _, p in params])
                 for (name, _), norm in zip(params, weights):
@@ -645,7 +651,7 @@ class Watch:
         roots = [(unwrapped(model), "")] if model is not None else [(ref(), prefix) for ref, prefix in self._root_refs]
         named = [(f"{prefix}.{name}" if prefix else name, p) for root, prefix in roots if root is not None
                  for name, p in root.named_parameters()]
-        params = [[name, list(p.shape)] for name, p in named]
+        params = [[name, zero_shape(p)] for name, p in named]
         # the model's identity: its parameters' names and shapes, not their dtypes (a bf16 and a
         # float64 run of one model are the point of comparing)
         digest = hashlib.sha1(repr(sorted((n, tuple(s)) for n, s in params)).encode()).hexdigest()
@@ -653,6 +659,7 @@ class Watch:
         sig = {"signature": digest[:16], "params": params, "modules": sorted(set(self._watched.values())),
                "param_dtypes": dtypes}
         shards = {name: f for name, p in named if (f := shard_fields(p)) is not None}
+        shards.update(zero_shards(self))  # ZeRO fragments (zero.py)
         if shards:  # DTensor parameters: each rank measures its shard (combined by shards.combine_ranks)
             sig["shards"] = shards
         return sig

@@ -12,6 +12,9 @@ rank into one log of the whole model:
 - ``update_ratio`` (``‖Δw‖ / ‖w‖`` per shard): ``sqrt(Σ_r (ratio_r · ‖w_r‖)²) / sqrt(Σ_r ‖w_r‖²)``;
 - the loss and the module statistics: the first rank's (each rank runs its own batch; a job fed
   the same batch on every rank has the single-process numbers there), with a note;
+- a DeepSpeed ZeRO fragment (placements ``["ZeRO"]``, watch/zero.py: each rank logs the
+  parameters it holds a piece of): ``sqrt(Σ n_r²)`` over the ranks whose logs have it, and the
+  update ratio as for ``S(d)``;
 - other placements (partial sums, 2-D meshes) are left out of the parameters, with a note.
 
 The result has ``world_size`` 1 and the model signature of the ranks (names and global shapes),
@@ -43,6 +46,8 @@ def _kind(shard: Optional[Dict[str, Any]]) -> str:
     if shard is None:
         return "replicated"
     placements = shard.get("placements", [])
+    if placements == ["ZeRO"]:
+        return "fragments"
     if all(p == "R" for p in placements):
         return "replicated"
     if len(placements) == 1 and placements[0].startswith("S("):
@@ -54,6 +59,35 @@ def _root_sum_squares(values: List[Any]) -> Optional[float]:
     if any(not isinstance(v, (int, float)) for v in values):
         return None
     return math.sqrt(sum(float(v) ** 2 for v in values))
+
+
+def _union(ranks: List[int], by_step: Dict[int, Any], step: int) -> Dict[str, Dict[str, Any]]:
+    """The parameters any rank logged at ``step`` (ZeRO: each rank logs those it holds), the
+    first rank's fields where it has them."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for r in ranks:
+        for name, fields in by_step[r][step].get("params", {}).items():
+            out.setdefault(name, fields)
+    return out
+
+
+def _combine(per_rank: List[Dict[str, Any]], fields: Dict[str, Any]) -> Dict[str, Any]:
+    """One parameter's norms over its shards (root sum of squares; the update ratio weighted)."""
+    out: Dict[str, Any] = {}
+    for what in fields:
+        values = [p.get(what) for p in per_rank]
+        if what == "update_ratio":
+            weights = [p.get("weight") for p in per_rank]
+            deltas = _root_sum_squares([v * w if isinstance(v, (int, float)) and isinstance(w, (int, float))
+                                        else None for v, w in zip(values, weights)])
+            whole = _root_sum_squares(weights)
+            if deltas is not None and whole:
+                out[what] = deltas / whole
+            continue
+        combined = _root_sum_squares(values)
+        if combined is not None:
+            out[what] = combined
+    return out
 
 
 def combine_ranks(logs: Dict[int, WatchLog]) -> WatchLog:
@@ -82,8 +116,12 @@ def combine_ranks(logs: Dict[int, WatchLog]) -> WatchLog:
     for step in sorted(set.intersection(*(set(s) for s in by_step.values()))):
         base = by_step[ranks[0]][step]
         params: Dict[str, Dict[str, Any]] = {}
-        for name, fields in base.get("params", {}).items():
-            kind = _kind(shards[ranks[0]].get(name))
+        for name, fields in _union(ranks, by_step, step).items():
+            kind = _kind(next((shards[r][name] for r in ranks if name in shards[r]), None))
+            if kind == "fragments":
+                params[name] = _combine([by_step[r][step]["params"][name] for r in ranks
+                                         if name in by_step[r][step].get("params", {})], fields)
+                continue
             if kind == "replicated":
                 params[name] = dict(fields)
                 continue
@@ -96,21 +134,7 @@ def combine_ranks(logs: Dict[int, WatchLog]) -> WatchLog:
                 skipped[name] = f"no log of its shard's rank(s) {missing}"
                 continue
             per_rank = [by_step[r][step].get("params", {}).get(name, {}) for r in mesh]
-            out: Dict[str, Any] = {}
-            for what in fields:
-                values = [p.get(what) for p in per_rank]
-                if what == "update_ratio":
-                    weights = [p.get("weight") for p in per_rank]
-                    deltas = _root_sum_squares([v * w if isinstance(v, (int, float)) and isinstance(w, (int, float))
-                                                else None for v, w in zip(values, weights)])
-                    whole = _root_sum_squares(weights)
-                    if deltas is not None and whole:
-                        out[what] = deltas / whole
-                    continue
-                combined = _root_sum_squares(values)
-                if combined is not None:
-                    out[what] = combined
-            params[name] = out
+            params[name] = _combine(per_rank, fields)
         steps.append({**base, "params": params})
     for name, why in sorted(skipped.items()):
         notes.append(f"{name}: not combined ({why})")

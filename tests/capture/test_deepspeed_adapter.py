@@ -115,3 +115,80 @@ def test_outside_the_engines_window_there_is_no_gradient():
     engine = DeepSpeedEngine(nn.Linear(2, 1))
     engine.optimizer.averaged_gradients = None  # after the engine's step
     assert all(zero_gradient(q) is None for q in engine.parameters())
+
+
+# -- optimizer events per parameter fragment ---------------------------------------------------------
+class _FlatMapping:
+    """``tensor_fragment`` of a parameter held whole: its slice of the flat fp32 partition."""
+
+    def __init__(self, flat: torch.Tensor, start: int, numel: int) -> None:
+        self.hp_fragment = flat.data.narrow(0, start, numel)
+        self.hp_fragment_address = _Address(numel, start)
+        self.lp_fragment_address = _Address(numel, 0)
+
+    def get_lp_grad_fragment(self, index: int) -> torch.Tensor:
+        raise ValueError("Gradients are only available immediately after backward and before engine step")
+
+
+class _FlatZero:
+    """ZeRO-1 on one rank in miniature: the parameters' fp32 copies concatenated into one flat
+    partition, which the wrapped torch AdamW steps; the parameters are refreshed from it."""
+
+    def __init__(self, params) -> None:
+        self.bit16_groups = [list(params)]
+        self.flat = nn.Parameter(torch.cat([p.detach().flatten() for p in self.bit16_groups[0]]))
+        self.optimizer = torch.optim.AdamW([self.flat], lr=0.1, foreach=False)
+        start = 0
+        for i, p in enumerate(self.bit16_groups[0]):
+            p._index_in_param_group, p._hp_mapping = i, _FlatMapping(self.flat, start, p.numel())
+            start += p.numel()
+
+    def step(self) -> None:
+        self.flat.grad = torch.cat([p.grad.flatten() for p in self.bit16_groups[0]])
+        self.optimizer.step()
+        with torch.no_grad():
+            for p in self.bit16_groups[0]:
+                p.copy_(p._hp_mapping.hp_fragment.view(p.shape))
+
+
+class _FlatEngine(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+        self.optimizer = _FlatZero(list(model.parameters()))
+
+    def forward(self, x):
+        return self.module(x)
+
+
+_FlatEngine.__name__ = "DeepSpeedEngine"  # what capture recognises the engine by
+
+
+def test_optimizer_ops_on_a_flat_partition_are_recorded_per_parameter():
+    """Each element-wise op of the wrapped AdamW on the flat partition is one event per parameter
+    slice (capture/deepspeed.py fragment_slices), named by the parameter; the step counter's op,
+    on the whole partition's state, keeps the partition's name."""
+    torch.manual_seed(0)
+    engine = _FlatEngine(nn.Linear(3, 2))
+    sink = MemorySink()
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    with precisiondiff.capture(model=engine, level="op", mode="tensors", sink=sink) as cap:
+        engine(x).square().sum().backward()
+        engine.optimizer.step()
+        cap.step()
+    updates = [e for e in sink.events if e["direction"] == "optimizer"]
+    by_scope = {}
+    for e in updates:
+        by_scope.setdefault(e["scope"], []).append(e)
+    assert set(by_scope) == {"optimizer.param_groups.0/module.weight", "optimizer.param_groups.0/module.bias",
+                             "optimizer.param_groups.0/flat_partition"}, sorted(by_scope)
+    weight_ops = [e["name"] for e in by_scope["optimizer.param_groups.0/module.weight"]]
+    assert weight_ops == [e["name"] for e in by_scope["optimizer.param_groups.0/module.bias"]]
+    assert "aten.addcdiv_.default" in weight_ops and "aten.lerp_.Scalar" in weight_ops
+    # the state's creation (zeros_like of the partition) and the step counter's add_
+    assert {e["name"] for e in by_scope["optimizer.param_groups.0/flat_partition"]} == \
+        {"aten.zeros_like.default", "aten.add_.Tensor"}
+    last = [e for e in by_scope["optimizer.param_groups.0/module.bias"] if e["name"] == "aten.addcdiv_.default"][-1]
+    assert last["optimizer"]["fragment"] == {"start": 6, "numel": 2} and last["optimizer"]["param"] == "module.bias"
+    out = next(r for r in last["tensors"] if r["slot"] == "output.0")
+    assert torch.equal(sink.tensor(out), engine.optimizer.flat.detach()[6:8])  # the bias's slice, after the step

@@ -1,6 +1,6 @@
 """DeepSpeed as a user runs it: ``deepspeed.initialize`` on a tiny random GPT-2 of transformers'
-own code, ZeRO 1 and 2, bf16, ``engine.backward`` / ``engine.step``, under ``precisiondiff
-capture --script``, ``bisect --script``, the Python API, and ``torchrun`` with 2 gloo ranks
+own code, ZeRO 1, 2 and 3, bf16, ``engine.backward`` / ``engine.step``, under ``precisiondiff
+capture --script``, ``bisect --script``, ``watch --script``, the Python API, and ``torchrun`` with 2 gloo ranks
 (examples/frameworks/deepspeed_gpt2.py, unmodified framework code; DS_ACCELERATOR=cpu). Skipped
 without deepspeed. The first DeepSpeed start on a machine compiles its shared-memory comm op
 (minutes); later starts reuse it. Each DeepSpeed start costs ~15 s of CPU: the runs are
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "frameworks" / "deepspeed_gpt2.py")
 ENV = {"OMP_NUM_THREADS": "1"}
 PLANT = "pdframeworks.rough_gelu.default"
+PARAMS = 28  # the tiny GPT-2's parameters (the tied lm_head/wte weight once)
 LAYER_NORM_BACKWARD = "aten.native_layer_norm_backward"
 
 
@@ -242,10 +243,12 @@ def test_both_ranks_dumps_survive_and_their_replicas_agree(two_ranks_planted):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     checked = json.loads(r.stdout)
     assert checked["checked"] > 0 and checked["by_rule"].get("collective output", 0) > 0 and checked["ok"], checked
-    # each rank records the gradients of the parameters its ZeRO partition holds whole
+    # each rank records the gradients of the parameters its ZeRO partition holds whole, and the
+    # lowest holder the one split between both partitions (gathered: capture/deepspeed.py)
     held = [{(ev.scope, t.slot) for ev in sub.events() if ev.kind == "param" for t in ev.tensors}
             for _, sub in sorted(dump.ranks.items())]
     assert held[0] and held[1] and not held[0] & held[1], [len(h) for h in held]
+    assert len(held[0] | held[1]) == PARAMS, [len(h) for h in held]
 
 
 # -- the optimizer and watch (issue 19 item 5) -----------------------------------------------------
@@ -265,19 +268,127 @@ def test_a_planted_optimizer_kernel_under_zero_is_named_as_an_optimizer_op(plant
     c = report["culprit"]
     assert code == 1 and (c["kind"], c["name"], c["direction"]) == \
         ("op", "pdframeworks.rough_adamw_.default", "optimizer"), c
-    # ZeRO's wrapped optimizer steps the flat fp32 partition of param group 0 (no model parameter name)
-    assert c["scope"].startswith("optimizer.param_groups.0/"), c
+    # ZeRO's wrapped optimizer steps the flat fp32 partition of param group 0: its element-wise ops are
+    # recorded per parameter fragment, so the first one of the partition is named (capture/deepspeed.py)
+    assert c["scope"] == "optimizer.param_groups.0/module.transformer.wte.weight", c
+    names = {c["scope"] for c in report["culprits"]}
+    assert len(names) == len(report["culprits"]) and all(n.startswith("optimizer.param_groups.0/module.") for n in names)
 
 
-def test_watch_runs_on_a_zero2_engine_and_keeps_the_losses(tmp_path, plain_losses):
-    out = tmp_path / "watch"
+def _watch_lines(out: Path) -> list:
+    return [json.loads(line) for line in (out / "watch.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def watched_zero2(tmp_path_factory):
+    """``watch --script`` of the ZeRO-2 job, one process: its log directory and the printed losses."""
+    out = tmp_path_factory.mktemp("dsw") / "watch"
     r = _run("watch", "--script", SCRIPT, "-o", str(out), "--", "--zero", "2")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _losses(r.stdout) == plain_losses
-    lines = [json.loads(line) for line in (out / "watch.jsonl").read_text().splitlines()]
+    return out, _losses(r.stdout)
+
+
+def test_watch_runs_on_a_zero2_engine_and_keeps_the_losses(watched_zero2, plain_losses):
+    out, losses = watched_zero2
+    assert losses == plain_losses
+    lines = _watch_lines(out)
     steps = [line for line in lines if "step" in line]
     assert [line["step"] for line in steps] == [0, 1]
     assert [round(line["loss"], 6) for line in steps] == [float(x) for x in plain_losses]
     # watch sees through the engine (watch/monitor.py unwrapped): the model's own names, no `module.`
     assert any(k.startswith(("transformer.h.1:", "transformer.h.1.")) for k in steps[0]["tensors"]), sorted(steps[0]["tensors"])
     assert not any(k.startswith("module.") for k in steps[0]["tensors"])
+
+
+def test_watch_under_zero_logs_every_model_parameter_by_name(watched_zero2):
+    """Not the flat fp32 partition (``param.0``): each parameter's fragment of it (watch/zero.py),
+    with its gradient, weight, update ratio and AdamW state; the first step's first moment is
+    (1 - beta1) times the gradient the optimizer stepped with, element for element."""
+    out, _ = watched_zero2
+    lines = _watch_lines(out)
+    names = [name for name, _ in lines[0]["model"]["params"]]
+    steps = [line for line in lines if "step" in line]
+    assert len(names) == PARAMS and sorted(steps[0]["params"]) == sorted(names), sorted(steps[0]["params"])[:5]
+    for name, fields in steps[0]["params"].items():
+        assert set(fields) >= {"grad", "weight", "update_ratio", "state.exp_avg", "state.exp_avg_sq"}, (name, fields)
+        assert fields["state.exp_avg"] == pytest.approx(0.1 * fields["grad"], rel=1e-5), (name, fields)
+    assert lines[0]["model"]["shards"]["transformer.h.0.mlp.c_proj.weight"]["placements"] == ["ZeRO"]
+
+
+@pytest.fixture(scope="module")
+def watched_zero2_two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dsw2") / "watch"
+    r = _torchrun("watch", "--script", SCRIPT, "-o", str(out), "--", "--zero", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_two_rank_zero_watch_combines_to_the_one_rank_norms(watched_zero2_two_ranks, watched_zero2):
+    """Each rank logs the parameters it holds a fragment of (one is split between both); their
+    norms combined over the ranks (shards.combine_ranks: root sum of squares) are the one-process
+    run's, whose fragments are the whole parameters."""
+    from precisiondiff.watch.log import read_logs
+    from precisiondiff.watch.shards import combine_ranks
+    logs = read_logs(watched_zero2_two_ranks)
+    assert sorted(logs) == [0, 1]
+    held = [set(logs[r].steps[0]["params"]) for r in (0, 1)]
+    assert held[0] and held[1] and len(held[0] | held[1]) == PARAMS and len(held[0] & held[1]) == 1, held
+    combined = {s["step"]: s["params"] for s in combine_ranks(logs).steps}
+    single = {s["step"]: s["params"] for s in read_logs(watched_zero2[0])[0].steps}
+    assert sorted(combined) == sorted(single) == [0, 1]
+    for step, params in single.items():
+        assert sorted(combined[step]) == sorted(params)
+        for name, fields in params.items():
+            for what, value in fields.items():
+                assert combined[step][name][what] == pytest.approx(value, rel=1e-5), (step, name, what)
+    # compare combines the layouts the same way (watch/layouts.py): every parameter, within rounding
+    r = _run("compare", str(watched_zero2_two_ranks), str(watched_zero2[0]), "--format", "json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    errors = json.loads(r.stdout)["errors"]
+    compared = {k.rpartition(":")[0] for k, v in errors.items() if k.endswith(":weight") and None not in v}
+    assert len(compared) == PARAMS, sorted(compared)
+    assert max(e for k, v in errors.items() if k.endswith((":grad", ":weight")) for e in v) < 1e-5
+
+
+# -- ZeRO-3 (one process) ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def clean_zero3(tmp_path_factory):
+    """``bisect --script --keep`` of the clean ZeRO-3 bf16 job: its report and the replay dump."""
+    where = tmp_path_factory.mktemp("ds3")
+    report = where / "bisect.json"
+    r = _run("bisect", "--script", SCRIPT, "--keep", str(where / "keep"), "--format", "json", "-o", str(report),
+             "--", "--zero", "3")
+    return r.returncode, _report(report, r), where / "keep"
+
+
+def test_bisect_of_a_clean_zero3_job_gets_no_kernel_verdict(clean_zero3):
+    code, report, _ = clean_zero3
+    assert report["verdict"] in ("parity", "accumulated") and report["culprits"] == [], report["culprits"]
+    assert code == (0 if report["verdict"] == "parity" else 1)
+    assert all(a.get("known") for a in report["accepted"]), report["accepted"]
+
+
+def test_zero3_parameter_gradients_are_gathered_and_agree_with_float64(clean_zero3, reference):
+    """ZeRO-3 partitions every parameter: capture reads the engine's gradient partitions before
+    its step (one rank: the whole parameter; capture/deepspeed.py), in its accumulation dtype."""
+    _, _, keep = clean_zero3
+    dump = precisiondiff.load(keep)
+    grads = [t for ev in dump.events() if ev.kind == "param" for t in ev.tensors]
+    assert len(grads) == PARAMS and {t.dtype for t in grads} == {"bfloat16"}, [(t.key, t.dtype) for t in grads][:5]
+    assert "ZeRO" in dump.meta["param_grads_from"]
+    for kind in ("param", "module"):
+        result = precisiondiff.compare(str(keep), str(reference), kind=kind)
+        passed = [row for row in result.rows if row.verdict == "pass"]
+        assert passed and result.summary["failed"] == 0, (kind, result.summary)
+        if kind == "param":
+            assert len(passed) == PARAMS, result.summary
+
+
+def test_bisect_script_names_the_planted_gelu_under_zero3(tmp_path):
+    report = tmp_path / "bisect.json"
+    r = _run("bisect", "--script", SCRIPT, "--format", "json", "-o", str(report), "--", "--zero", "3", "--plant")
+    out = _report(report, r)
+    c = out["culprit"]
+    assert r.returncode == 1 and (c["kind"], c["name"], c["direction"]) == ("op", PLANT, "forward"), c
+    assert c["scope"].endswith("transformer.h.1.mlp.act") and not c.get("known"), c
+    assert _only_known_after(out, 1) == [], out["culprits"]
