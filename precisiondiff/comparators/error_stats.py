@@ -66,12 +66,52 @@ CLIP = 4.0
 ROUNDING_SD = 1.0 / math.sqrt(12.0)
 
 
+_BLOCK = 4096
+
+
+def det_sum(x: torch.Tensor) -> float:
+    """The sum of a float64 tensor, the same whatever the number of threads: ``torch.sum`` splits
+    a long reduction among the threads, so its last bits depend on how many there are (a bisect's
+    figures with ``--workers N``, whose processes have fewer threads each, differed at 1e-14 from one
+    worker's). Fixed 4096-element blocks, each summed by the fixed pairwise tree of
+    :func:`~precisiondiff.comparators.tiles.tree_sums` (elementwise additions), the block sums added
+    with :func:`math.fsum` (exactly rounded): the compare metrics' rule."""
+    from .tiles import tree_sums
+    x = x.detach().reshape(-1)
+    n = x.numel()
+    if n == 0:
+        return 0.0
+    length = -(-n // _BLOCK) * _BLOCK if n > _BLOCK else 1 << max(n - 1, 0).bit_length()
+    w = torch.zeros((1, length), dtype=torch.float64, device=x.device)
+    w[0, :n] = x
+    return math.fsum(tree_sums(w, torch.empty_like(w), length).reshape(-1).tolist())
+
+
+def det_mean(x: torch.Tensor) -> float:
+    """:func:`det_sum` / N (0 for an empty tensor)."""
+    return det_sum(x) / x.numel() if x.numel() else 0.0
+
+
+def det_std(x: torch.Tensor) -> float:
+    """The unbiased standard deviation (``torch.std``'s), from :func:`det_sum`."""
+    n = x.numel()
+    if n < 2:
+        return math.nan
+    mean = det_sum(x) / n
+    return math.sqrt(det_sum((x - mean) ** 2) / (n - 1))
+
+
+def det_norm(x: torch.Tensor) -> float:
+    """The L2 norm from :func:`det_sum` (``sqrt(sum x^2)``; infinite when that overflows)."""
+    return math.sqrt(det_sum(x * x))
+
+
 def element_ulp(golden: torch.Tensor, dtype: torch.dtype, significance: float) -> torch.Tensor:
     """``spacing_T(max(|g_i|, significance * rms(g)))`` in float64: the ULP of each element, or of
     the significance threshold for elements far below the tensor's size (``golden`` finite)."""
     from .ulp import ulp_spacing
     g = golden.abs()
-    rms = float(g.pow(2).mean().sqrt()) if g.numel() else 0.0
+    rms = math.sqrt(det_mean(g * g)) if g.numel() else 0.0
     return ulp_spacing(torch.clamp(g, min=significance * rms), dtype).to(torch.float64)
 
 
@@ -90,7 +130,7 @@ class ErrorStats:
 
 
 def _mean(x: torch.Tensor) -> float:
-    return float(x.mean()) if x.numel() else 0.0
+    return det_mean(x)
 
 
 def error_stats(z: torch.Tensor, sign: torch.Tensor, informative: torch.Tensor) -> ErrorStats:
@@ -192,7 +232,7 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
     # bias, both directions; the sd is floored at a uniform rounding's (a result with many exact
     # elements has a smaller one, which would overstate the evidence)
     n_inf = int(informative.sum())
-    sd = max(float(zi_d.std()) if n_inf > 1 else 0.0, ROUNDING_SD)
+    sd = max(det_std(zi_d) if n_inf > 1 else 0.0, ROUNDING_SD)
     figures.update(bias=s_d.bias, bias_dir=s_d.bias_dir,
                    peer_bias={k: [s.bias, s.bias_dir] for k, s in s_ps.items()} if not screen else {})
     for label, b, b_peer in (("raw", s_d.bias, max(abs(s.bias) for s in s_ps.values())),
@@ -215,8 +255,8 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
     figures.update(rmse_ulp=s_d.rmse, peer_rmse_ulp=p_rmse, rmse_ratio=_safe(ratio))
     if ratio > RMSE_RATIO_MIN:
         diff = z_d.clamp(-CLIP, CLIP) ** 2 - z_ps[lenient].clamp(-CLIP, CLIP) ** 2
-        se = max(float(diff.std()), 1e-300) / math.sqrt(effective())
-        zscore = float(diff.mean()) / se
+        se = max(det_std(diff), 1e-300) / math.sqrt(effective())
+        zscore = det_mean(diff) / se
         figures["rmse_z"] = zscore
         if zscore > RMSE_Z:
             failures.append(f"RMSE {s_d.rmse:.3g} ULP is {ratio:.3g}x the emulated peers' or one rounding's ({p_rmse:.3g}), "

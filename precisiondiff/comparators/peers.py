@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bounds import PEER_FACTOR, PEER_FACTOR_LOW
-from .error_stats import judge_statistics
+from .error_stats import det_norm, judge_statistics
 from .ulp import float_format
 
 __all__ = ["PeerVerdict", "judge_against_peers", "significance_floor", "peer_factor", "peer_dtype", "compute_dtype",
@@ -95,7 +95,7 @@ def significance_floor(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: O
         u_acc = float_format(peer_dtype(dtype)).unit_roundoff
         allow = allow + ACCUM_FACTOR * k * u_acc * magnitude.detach().to(device=g.device, dtype=torch.float64).abs()
     allow = torch.where(torch.isfinite(allow), allow, torch.zeros_like(allow))
-    return float(torch.linalg.vector_norm(allow))
+    return det_norm(allow)
 
 
 def _significance_floor(g_abs: torch.Tensor, spacing: torch.Tensor, dtype: torch.dtype,
@@ -107,7 +107,7 @@ def _significance_floor(g_abs: torch.Tensor, spacing: torch.Tensor, dtype: torch
         u_acc = float_format(peer_dtype(dtype)).unit_roundoff
         allow = allow + ACCUM_FACTOR * k * u_acc * m_abs
     allow = torch.where(torch.isfinite(allow), allow, torch.zeros_like(allow))
-    return float(torch.linalg.vector_norm(allow))
+    return det_norm(allow)
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
         n_special = int(special.sum())
     zero = torch.zeros_like(g)
     gf = g if all_finite else torch.where(finite, g, zero)
-    gnorm = float(torch.linalg.vector_norm(gf))
+    gnorm = det_norm(gf)
     mag = magnitude.detach().flatten() if magnitude is not None else None
     m_fin = _finite_magnitude(mag, g.device) if mag is not None and k else None
     from .error_stats import element_ulp
@@ -252,14 +252,14 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
     scale = _with_magnitude(unit, dtype, mag, k, True, m_fin)
     diff = d - g
     adiff = diff.abs()
-    e_dut = float(torch.linalg.vector_norm(diff if all_finite else torch.where(finite, diff, zero)))
+    e_dut = det_norm(diff if all_finite else torch.where(finite, diff, zero))
     m_dut = (float((adiff / scale).max() if all_finite else torch.where(finite, adiff / scale, zero).max())
              if d.numel() else 0.0)
     e_peers, m_peers = {}, {}
     for n, p in ps.items():
         ok = finite & finite_p[n]
         pd = p - g
-        e_peers[n] = float(torch.linalg.vector_norm(torch.where(ok, pd, zero)))
+        e_peers[n] = det_norm(torch.where(ok, pd, zero))
         m_peers[n] = float(torch.where(ok, pd.abs() / scale, zero).max()) if d.numel() else 0.0
     e_peer = max(e_peers.values(), default=0.0)
     m_peer = max(m_peers.values(), default=0.0)
