@@ -73,18 +73,18 @@ def det_sum(x: torch.Tensor) -> float:
     """The sum of a float64 tensor, the same whatever the number of threads: ``torch.sum`` splits
     a long reduction among the threads, so its last bits depend on how many there are (a bisect's
     figures with ``--workers N``, whose processes have fewer threads each, differed at 1e-14 from one
-    worker's). Fixed 4096-element blocks, each summed by the fixed pairwise tree of
-    :func:`~precisiondiff.comparators.tiles.tree_sums` (elementwise additions), the block sums added
-    with :func:`math.fsum` (exactly rounded): the compare metrics' rule."""
-    from .tiles import tree_sums
+    worker's). Fixed 4096-element blocks, each summed whole by one thread (a reduction over rows is
+    shared out by rows; one block is below torch's grain size), the block sums added with
+    :func:`math.fsum` (exactly rounded)."""
     x = x.detach().reshape(-1)
     n = x.numel()
     if n == 0:
         return 0.0
-    length = -(-n // _BLOCK) * _BLOCK if n > _BLOCK else 1 << max(n - 1, 0).bit_length()
-    w = torch.zeros((1, length), dtype=torch.float64, device=x.device)
-    w[0, :n] = x
-    return math.fsum(tree_sums(w, torch.empty_like(w), length).reshape(-1).tolist())
+    full = n - n % _BLOCK
+    parts = x[:full].view(-1, _BLOCK).sum(dim=1).tolist() if full else []
+    if full < n:
+        parts.append(float(x[full:].sum()))
+    return math.fsum(parts)
 
 
 def det_mean(x: torch.Tensor) -> float:
