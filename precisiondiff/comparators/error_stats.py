@@ -66,12 +66,52 @@ CLIP = 4.0
 ROUNDING_SD = 1.0 / math.sqrt(12.0)
 
 
+_BLOCK = 4096
+
+
+def det_sum(x: torch.Tensor) -> float:
+    """The sum of a float64 tensor, the same whatever the number of threads: ``torch.sum`` splits
+    a long reduction among the threads, so its last bits depend on how many there are (a bisect's
+    figures with ``--workers N``, whose processes have fewer threads each, differed at 1e-14 from one
+    worker's). Fixed 4096-element blocks, each summed whole by one thread (a reduction over rows is
+    shared out by rows; one block is below torch's grain size), the block sums added with
+    :func:`math.fsum` (exactly rounded)."""
+    x = x.detach().reshape(-1)
+    n = x.numel()
+    if n == 0:
+        return 0.0
+    full = n - n % _BLOCK
+    parts = x[:full].view(-1, _BLOCK).sum(dim=1).tolist() if full else []
+    if full < n:
+        parts.append(float(x[full:].sum()))
+    return math.fsum(parts)
+
+
+def det_mean(x: torch.Tensor) -> float:
+    """:func:`det_sum` / N (0 for an empty tensor)."""
+    return det_sum(x) / x.numel() if x.numel() else 0.0
+
+
+def det_std(x: torch.Tensor) -> float:
+    """The unbiased standard deviation (``torch.std``'s), from :func:`det_sum`."""
+    n = x.numel()
+    if n < 2:
+        return math.nan
+    mean = det_sum(x) / n
+    return math.sqrt(det_sum((x - mean) ** 2) / (n - 1))
+
+
+def det_norm(x: torch.Tensor) -> float:
+    """The L2 norm from :func:`det_sum` (``sqrt(sum x^2)``; infinite when that overflows)."""
+    return math.sqrt(det_sum(x * x))
+
+
 def element_ulp(golden: torch.Tensor, dtype: torch.dtype, significance: float) -> torch.Tensor:
     """``spacing_T(max(|g_i|, significance * rms(g)))`` in float64: the ULP of each element, or of
     the significance threshold for elements far below the tensor's size (``golden`` finite)."""
     from .ulp import ulp_spacing
     g = golden.abs()
-    rms = float(g.pow(2).mean().sqrt()) if g.numel() else 0.0
+    rms = math.sqrt(det_mean(g * g)) if g.numel() else 0.0
     return ulp_spacing(torch.clamp(g, min=significance * rms), dtype).to(torch.float64)
 
 
@@ -90,7 +130,7 @@ class ErrorStats:
 
 
 def _mean(x: torch.Tensor) -> float:
-    return float(x.mean()) if x.numel() else 0.0
+    return det_mean(x)
 
 
 def error_stats(z: torch.Tensor, sign: torch.Tensor, informative: torch.Tensor) -> ErrorStats:
@@ -125,7 +165,8 @@ def _distinct(g: torch.Tensor) -> int:
 
 def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Tensor,
                      peers: Mapping[str, torch.Tensor], dtype: torch.dtype, *, significance: float,
-                     scale: Optional[torch.Tensor] = None, ulp_floor: bool = True) -> StatsVerdict:
+                     scale: Optional[torch.Tensor] = None, ulp_floor: bool = True,
+                     _shared: Optional[Dict[str, Any]] = None) -> StatsVerdict:
     """Run the bias, RMSE and tail tests of ``dut`` against ``golden`` (module docstring).
 
     Args:
@@ -139,30 +180,44 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
             peers' worst is measured for the tail; default the ULP of the element.
         ulp_floor: the tail's floor (1/2) and slack in ULP of the element; False: in ``scale``
             (a scatter-add, whose partial sums may round: one such rounding is allowed).
+        _shared: what the peer rule already computed from the same tensors (``finite``, ``finite_p``,
+            ``unit`` = :func:`element_ulp` of the finite golden, ``diff`` = dut - golden, ``adiff``):
+            reused instead of recomputed (the same values).
     """
     from .ulp import float_format
+    sh = _shared or {}
     screen = not peers
-    finite = torch.isfinite(dut) & torch.isfinite(golden)
+    finite = sh["finite"] if "finite" in sh else torch.isfinite(dut) & torch.isfinite(golden)
     tiny = float_format(dtype).smallest_normal
     flushed = finite & (dut == 0) & (rounded != 0) & (rounded.abs() < tiny)
     n_flushed = int(flushed.sum())
     notes = [f"{n_flushed} subnormal outputs flushed to zero"] if n_flushed else []
     use = finite & ~flushed
-    for p in peers.values():
-        use &= torch.isfinite(p)
+    finite_p = sh.get("finite_p") or {}
+    for name, p in peers.items():
+        use &= finite_p[name] if name in finite_p else torch.isfinite(p)
     n = int(use.sum())
     figures: Dict[str, Any] = {"n": n, "flushed": n_flushed}
     if n < MIN_ELEMENTS:
         return StatsVerdict(True, figures, [], notes)
-    g = golden[use]
-    unit = element_ulp(g, dtype, significance)
+    # every element used (the common case): the masked copies would be the tensors themselves
+    every = n == use.numel()
+    pick = (lambda t: t) if every else (lambda t: t[use])  # noqa: E731
+    g = pick(golden)
+    # the golden over the used elements is then the finite golden the peer rule measured
+    unit = sh["unit"] if every and "unit" in sh else element_ulp(g, dtype, significance)
     sign = torch.sign(g)
-    informative = rounded[use] != g
-    z_d = (dut[use] - g) / unit
-    s_d = error_stats(z_d, sign, informative)
+    informative = pick(rounded) != g
+    all_informative = bool(informative.all())
+    inf_pick = (lambda t: t) if all_informative else (lambda t: t[informative])  # noqa: E731
+    sign_i = inf_pick(sign)
+    d_diff = sh["diff"] if every and "diff" in sh else pick(dut) - g
+    z_d = d_diff / unit
+    zi_d = inf_pick(z_d).clamp(-CLIP, CLIP)
+    s_d = _stats(z_d, zi_d, sign_i)
     # against the correctly rounded golden when no peer ran: the least any peer can err
-    z_ps = {name: (p[use] - g) / unit for name, p in peers.items()} or {"rounded": (rounded[use] - g) / unit}
-    s_ps = {name: error_stats(z, sign, informative) for name, z in z_ps.items()}
+    z_ps = {name: (pick(p) - g) / unit for name, p in peers.items()} or {"rounded": (pick(rounded) - g) / unit}
+    s_ps = {name: _stats(z, inf_pick(z).clamp(-CLIP, CLIP), sign_i) for name, z in z_ps.items()}
     lenient = max(s_ps, key=lambda name: s_ps[name].rmse)
     failures: List[str] = []
     n_eff: Optional[int] = None
@@ -177,7 +232,7 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
     # bias, both directions; the sd is floored at a uniform rounding's (a result with many exact
     # elements has a smaller one, which would overstate the evidence)
     n_inf = int(informative.sum())
-    sd = max(float(z_d[informative].clamp(-CLIP, CLIP).std()) if n_inf > 1 else 0.0, ROUNDING_SD)
+    sd = max(det_std(zi_d) if n_inf > 1 else 0.0, ROUNDING_SD)
     figures.update(bias=s_d.bias, bias_dir=s_d.bias_dir,
                    peer_bias={k: [s.bias, s.bias_dir] for k, s in s_ps.items()} if not screen else {})
     for label, b, b_peer in (("raw", s_d.bias, max(abs(s.bias) for s in s_ps.values())),
@@ -200,8 +255,8 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
     figures.update(rmse_ulp=s_d.rmse, peer_rmse_ulp=p_rmse, rmse_ratio=_safe(ratio))
     if ratio > RMSE_RATIO_MIN:
         diff = z_d.clamp(-CLIP, CLIP) ** 2 - z_ps[lenient].clamp(-CLIP, CLIP) ** 2
-        se = max(float(diff.std()), 1e-300) / math.sqrt(effective())
-        zscore = float(diff.mean()) / se
+        se = max(det_std(diff), 1e-300) / math.sqrt(effective())
+        zscore = det_mean(diff) / se
         figures["rmse_z"] = zscore
         if zscore > RMSE_Z:
             failures.append(f"RMSE {s_d.rmse:.3g} ULP is {ratio:.3g}x the emulated peers' or one rounding's ({p_rmse:.3g}), "
@@ -211,9 +266,9 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
     # The floor (one correct rounding) and the slack are in the element's own ULP: in the max
     # rule's unit, 1/2 of a long sum's allowance is many ULP, far beyond the peers' actual worst,
     # and a sparse defect of a few ULP hid under it (the exchangeability bound is the peers' worst)
-    t_unit = unit if scale is None else scale[use]
-    err = (dut[use] - g).abs()
-    worst = max(float(((p[use] - g).abs() / t_unit).max()) for p in peers.values()) if peers else 0.0
+    t_unit = unit if scale is None else pick(scale)
+    err = sh["adiff"] if every and "adiff" in sh else d_diff.abs()
+    worst = max(float(((pick(p) - g).abs() / t_unit).max()) for p in peers.values()) if peers else 0.0
     floor_unit = unit if ulp_floor else t_unit
     per_element = torch.maximum(worst * t_unit, 0.5 * floor_unit) + TAIL_SLACK * floor_unit
     tail = int((err > per_element).sum())
@@ -223,6 +278,12 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
         failures.append(f"{tail} of {n} elements ({100 * tail / n:.3g}%) are beyond the peers' worst "
                         f"({worst:.3g} of the max rule's unit, at least 1/2 ULP) + {TAIL_SLACK:g} ULP")
     return StatsVerdict(not failures, figures, failures, notes)
+
+
+def _stats(z: torch.Tensor, zi: torch.Tensor, sign_i: torch.Tensor) -> ErrorStats:
+    """:func:`error_stats` from ``zi`` = the informative elements of ``z`` clamped to ``CLIP`` and
+    ``sign_i`` their golden's sign (computed once for the kernel and its peers)."""
+    return ErrorStats(_mean(zi), _mean(zi * sign_i), math.sqrt(_mean(z * z)))
 
 
 def _safe(v: float) -> Any:

@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bounds import PEER_FACTOR, PEER_FACTOR_LOW
-from .error_stats import judge_statistics
+from .error_stats import det_norm, judge_statistics
 from .ulp import float_format
 
 __all__ = ["PeerVerdict", "judge_against_peers", "significance_floor", "peer_factor", "peer_dtype", "compute_dtype",
@@ -95,7 +95,19 @@ def significance_floor(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: O
         u_acc = float_format(peer_dtype(dtype)).unit_roundoff
         allow = allow + ACCUM_FACTOR * k * u_acc * magnitude.detach().to(device=g.device, dtype=torch.float64).abs()
     allow = torch.where(torch.isfinite(allow), allow, torch.zeros_like(allow))
-    return float(torch.linalg.vector_norm(allow))
+    return det_norm(allow)
+
+
+def _significance_floor(g_abs: torch.Tensor, spacing: torch.Tensor, dtype: torch.dtype,
+                        m_abs: Optional[torch.Tensor], k: Optional[int]) -> float:
+    """:func:`significance_floor` of a finite golden from ``|g|``, ``ulp_spacing(g)`` and ``|magnitude|``
+    (the same operations)."""
+    allow = torch.maximum(float_format(dtype).unit_roundoff * g_abs, 0.5 * spacing)
+    if m_abs is not None and k:
+        u_acc = float_format(peer_dtype(dtype)).unit_roundoff
+        allow = allow + ACCUM_FACTOR * k * u_acc * m_abs
+    allow = torch.where(torch.isfinite(allow), allow, torch.zeros_like(allow))
+    return det_norm(allow)
 
 
 @dataclass(frozen=True)
@@ -163,13 +175,24 @@ def element_scale(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Option
     a scatter-add)."""
     from .error_stats import element_ulp
     g = torch.where(torch.isfinite(golden), golden, torch.zeros_like(golden)).abs()
-    scale = element_ulp(g, dtype, SIGNIFICANCE)
+    return _with_magnitude(element_ulp(g, dtype, SIGNIFICANCE), dtype, magnitude, k, partials)
+
+
+def _with_magnitude(scale: torch.Tensor, dtype: torch.dtype, magnitude: Optional[torch.Tensor], k: Optional[int],
+                    partials: bool, m: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``scale`` (the element's ULP) plus :func:`element_scale`'s accumulation allowance; ``m`` the
+    magnitude as :func:`_finite_magnitude` gives it, when already computed."""
     if magnitude is not None and k:
         u_acc = float_format(peer_dtype(dtype)).unit_roundoff
-        m = magnitude.detach().to(device=g.device, dtype=torch.float64).abs().flatten()
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        if m is None:
+            m = _finite_magnitude(magnitude, scale.device)
         scale = scale + (ACCUM_FACTOR * k * u_acc + (float_format(dtype).unit_roundoff if partials else 0.0)) * m
     return scale
+
+
+def _finite_magnitude(magnitude: torch.Tensor, device: torch.device) -> torch.Tensor:
+    m = magnitude.detach().to(device=device, dtype=torch.float64).abs().flatten()
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
 def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[str, Optional[torch.Tensor]], *,
@@ -203,33 +226,55 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
     ps = {n: p.detach().to(device=g.device, dtype=torch.float64).flatten()
           for n, p in peers.items() if p is not None and p.numel() == d.numel()}
     rounded = g.to(dut.dtype).to(torch.float64)
-    finite = torch.isfinite(d) & torch.isfinite(g)
-    special = ~finite & ~_same(d, rounded)
-    for p in ps.values():
-        special &= ~_same(d, p)
-    n_special = int(special.sum())
+    # Each mask and per-element unit is computed once and shared by the size rules and the
+    # statistics (the same values as computing them where used: elementwise, exact); when every
+    # element is finite the masks select everything and are skipped.
+    finite_d, finite_g = torch.isfinite(d), torch.isfinite(g)
+    finite = finite_d & finite_g
+    all_finite = bool(finite.all())
+    finite_p = {n: torch.isfinite(p) for n, p in ps.items()}
+    if all_finite:
+        n_special = 0
+    else:
+        special = ~finite & ~_same(d, rounded)
+        for p in ps.values():
+            special &= ~_same(d, p)
+        n_special = int(special.sum())
     zero = torch.zeros_like(g)
-    gf = torch.where(finite, g, zero)
-    gnorm = float(torch.linalg.vector_norm(gf))
+    gf = g if all_finite else torch.where(finite, g, zero)
+    gnorm = det_norm(gf)
     mag = magnitude.detach().flatten() if magnitude is not None else None
-    scale = element_scale(gf, dtype, magnitude=mag, k=k)
-    e_dut = float(torch.linalg.vector_norm(torch.where(finite, d - g, zero)))
-    m_dut = float(torch.where(finite, (d - g).abs() / scale, zero).max()) if d.numel() else 0.0
+    m_fin = _finite_magnitude(mag, g.device) if mag is not None and k else None
+    from .error_stats import element_ulp
+    from .ulp import ulp_spacing
+    g_abs = gf.abs()
+    unit = element_ulp(g_abs, dtype, SIGNIFICANCE)  # element_scale's ULP term (gf is finite)
+    scale = _with_magnitude(unit, dtype, mag, k, True, m_fin)
+    diff = d - g
+    adiff = diff.abs()
+    e_dut = det_norm(diff if all_finite else torch.where(finite, diff, zero))
+    m_dut = (float((adiff / scale).max() if all_finite else torch.where(finite, adiff / scale, zero).max())
+             if d.numel() else 0.0)
     e_peers, m_peers = {}, {}
     for n, p in ps.items():
-        ok = finite & torch.isfinite(p)
-        e_peers[n] = float(torch.linalg.vector_norm(torch.where(ok, p - g, zero)))
-        m_peers[n] = float(torch.where(ok, (p - g).abs() / scale, zero).max()) if d.numel() else 0.0
+        ok = finite & finite_p[n]
+        pd = p - g
+        e_peers[n] = det_norm(torch.where(ok, pd, zero))
+        m_peers[n] = float(torch.where(ok, pd.abs() / scale, zero).max()) if d.numel() else 0.0
     e_peer = max(e_peers.values(), default=0.0)
     m_peer = max(m_peers.values(), default=0.0)
-    floor = significance_floor(gf, dtype, magnitude=mag, k=k)
+    floor = _significance_floor(g_abs, ulp_spacing(gf, dtype), dtype,
+                                mag.to(device=g.device, dtype=torch.float64).abs() if m_fin is not None else None, k)
     bound = factor * e_peer + floor
     m_bound = factor * m_peer + MAX_FLOOR
     l2_ok = e_dut <= bound
     max_ok = m_dut <= m_bound
-    tail_scale = scale if partial_sums else element_scale(gf, dtype, magnitude=mag, k=k, partials=False)
+    tail_scale = scale if partial_sums else _with_magnitude(unit, dtype, mag, k, False, m_fin)
+    # judge_statistics' element ULP is that of the golden over the elements it uses: ``unit`` when
+    # it uses every element (all finite, none flushed; it checks)
     stats = judge_statistics(d, g, rounded, ps, dtype, significance=SIGNIFICANCE, scale=tail_scale,
-                             ulp_floor=not partial_sums)
+                             ulp_floor=not partial_sums,
+                             _shared=dict(finite=finite, finite_p=finite_p, unit=unit, diff=diff, adiff=adiff))
     passed = n_special == 0 and l2_ok and max_ok and stats.passed
     rel = (lambda e: e / gnorm) if gnorm > 0 else (lambda e: 0.0 if e == 0 else math.inf)
     ratio = max(e_dut / bound if bound > 0 else (0.0 if e_dut == 0 else math.inf), m_dut / m_bound)

@@ -86,3 +86,26 @@ def test_workers_on_a_live_workload_is_one_clear_line():
     bad = pd_cli("bisect", PLANTED, "--workers", "2")
     assert bad.returncode == 2 and "--workers applies to a DUT_DUMP" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_peer_rule_gives_the_same_figures_whatever_the_thread_count():
+    """A local worker runs fewer threads than the search's process (the cores shared out); the
+    figures of an op judged there must be those of the search's own judgement, bit for bit. Above
+    torch's grain size (32768 elements) its sums are split among the threads."""
+    from precisiondiff.comparators.peers import judge_against_peers
+    gen = torch.Generator().manual_seed(3)
+    n = 200_000
+    golden = torch.randn(n, dtype=torch.float64, generator=gen)
+    dut = (golden * (1 + torch.rand(n, dtype=torch.float64, generator=gen) * 2 ** -7)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            v = judge_against_peers(dut, golden, {"float32": golden.to(torch.bfloat16)},
+                                    magnitude=golden.abs() + 1, k=64)
+            seen.append(json.dumps(v.as_dict(), sort_keys=True))
+    finally:
+        torch.set_num_threads(before)
+    assert "rmse_z" in seen[0]  # the paired RMSE test ran: its mean and sd are long sums
+    assert seen[0] == seen[1] == seen[2]
