@@ -5,9 +5,10 @@ Per watched step (every ``every``-th step):
 - every watched module's outputs and output gradients: the statistics of
   :class:`~precisiondiff.capture.stats.StatsBatch` (min, max, mean, abs-mean, L2 norm, NaN and
   Inf counts, content fingerprint), batched and read back in one copy per device;
-- every parameter's weight and gradient L2 norm (one multi-tensor ``_foreach_norm`` per device
-  and dtype); every ``param_every``-th watched step also, when an optimizer is watched, the
-  norm of each optimizer state tensor and the update/weight ratio ``‖w_after − w_before‖ / ‖w_after‖``;
+- every parameter's gradient L2 norm (one multi-tensor ``_foreach_norm`` per device and dtype);
+  every ``param_every``-th watched step (a full step) also its weight's norm and, when an
+  optimizer is watched, the norm of each optimizer state tensor and the update/weight ratio
+  ``‖w_after − w_before‖ / ‖w_after‖``;
 - the loss.
 
 The scalars are stacked on their device and copied to the host once per step, into pinned
@@ -164,7 +165,7 @@ class Watch:
             or ``all`` (every module).
         modules: a regex (``re.search`` on module paths) instead of ``level``'s selection.
         every: watch every N-th step.
-        param_every: optimizer state norms and update ratios on every N-th watched step.
+        param_every: weight norms, optimizer state norms and update ratios on every N-th watched step.
         meta: extra fields for the header's ``meta``.
         overwrite: replace an existing log.
         global_hooks: hook every module and every optimizer of the process (script watching);
@@ -353,6 +354,9 @@ class Watch:
     # -- per step -----------------------------------------------------------------------------
     def _begin_step(self) -> None:
         self._on = (self.step_index % self.every == 0) and not self.errors and not self._closed
+        # a full step also reads every weight (its norm), each optimizer state and the update: on
+        # every param_every-th watched step only, since each is a pass over the parameters'
+        # memory (docs/watch.md, "Cost"); a light step reads the gradients once
         self._params_full = self._on and (self.step_index // self.every) % self.param_every == 0
         self._batch = StatsBatch() if self._on else None
         self._keys: List[Tuple[str, int, int]] = []
@@ -499,6 +503,9 @@ class Watch:
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._on:
             return
+        if not self._params_full:  # a light step: the gradients' norms were all (see _begin_step)
+            self._params_done = True
+            return
         try:
             with torch.no_grad(), self._quiet():
                 params = self._param_list(optimizer)
@@ -512,8 +519,7 @@ class Watch:
                     self._scalars([(n, "update_ratio") for n, _ in params], torch._foreach_div(_norms(before), weights),
                                   tensors)
                     del before
-                if self._params_full:
-                    self._state_norms(optimizer, params)
+                self._state_norms(optimizer, params)
             self._params_done = True
         except Exception as err:  # noqa: BLE001
             self._fail(err)
@@ -596,8 +602,9 @@ class Watch:
             if not self._params_done:
                 params = self._param_list()
                 self._grad_norms(params)
-                tensors = [p for _, p in params]
-                self._scalars([(n, "weight") for n, _ in params], _norms(tensors), tensors)
+                if self._params_full:
+                    tensors = [p for _, p in params]
+                    self._scalars([(n, "weight") for n, _ in params], _norms(tensors), tensors)
             if loss is not None:
                 self._losses = [loss.detach().reshape(()) if isinstance(loss, torch.Tensor)
                                 else torch.tensor(float(loss), dtype=torch.float64)]
@@ -769,7 +776,7 @@ def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimi
             and updates after.
         level: ``default`` (the layers: the root, its children, members of module lists) or ``all``.
         modules: a regex on module paths instead of the level's selection.
-        every: watch every N-th step; param_every: state norms and update ratios every N-th watched step.
+        every: watch every N-th step; param_every: weight norms, state norms and update ratios every N-th watched step.
         meta: extra fields for the log's header.
         overwrite: replace an existing log.
         replay_steps: capture these steps (``"5,6"``) in replay mode into ``out/replay``.
