@@ -120,7 +120,7 @@ class _Pending:
     __slots__ = ("step", "keys", "batch", "scalars", "copies", "dtypes", "param_dtypes")
 
     def __init__(self, step: int, keys: List[Tuple[str, int, int]], batch: StatsBatch,
-                 scalars: List[Tuple[str, str]], copies: list, dtypes: Optional[dict],
+                 scalars: List[Tuple[int, Tuple[str, str]]], copies: list, dtypes: Optional[dict],
                  param_dtypes: Optional[dict] = None) -> None:
         self.step, self.keys, self.batch, self.scalars, self.copies, self.dtypes = \
             step, keys, batch, scalars, copies, dtypes
@@ -135,7 +135,7 @@ class _Pending:
             values.extend(host.tolist())
         record: Dict[str, Any] = {"step": self.step, "loss": None}
         params: Dict[str, Dict[str, float]] = {}
-        for (name, what), value in zip(self.scalars, values):
+        for (_, (name, what)), value in sorted(zip(self.scalars, values), key=lambda item: item[0][0]):
             if name == "" and what == "loss":
                 record["loss"] = value
             else:
@@ -628,7 +628,7 @@ class Watch:
                     parts.append(torch.stack([scalar_values[i].reshape(()) for i in index]).to(acc))
                     order.extend(index)
                 vector = parts[0] if len(parts) == 1 else torch.cat(parts)
-                names.extend(scalar_names[i] for i in order)
+                names.extend((i, scalar_names[i]) for i in order)  # record() restores the order
                 (host,), done = copy_to_host([vector])
                 copies.append((host, done))
             self._batch.start()
