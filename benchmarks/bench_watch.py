@@ -1,28 +1,37 @@
 """Watch overhead: a watched training step ÷ a plain one, measured side by side in one run.
 
     python benchmarks/bench_watch.py [--dim 768 --layers 12 --vocab 8192] [--batch 4 --seq 128]
-                                     [--steps 10] [--device cpu]
+                                     [--rounds 8] [--device cpu] [--json OUT.json]
 
 Five copies of one decoder (examples/tiny_transformer.py, ~98M parameters at the defaults),
-each with its own AdamW, train in lockstep on the same batch: a plain one; one under
-``precisiondiff.watch`` at the default level on its light steps (the layers' statistics, weight
-and gradient norms; its only full step is the warm-up step); one at the default level whose
-every step is a full one (``param_every=1``: optimizer state norms and update ratios too); and
-the same two with every module's statistics (``level="all"``). Their steps are interleaved, so
-machine noise hits all five; a step is forward + loss + backward + ``optimizer.step()`` +
-``w.step()``.
+each with its own AdamW, train on the same batch: a plain one; one under ``precisiondiff.watch``
+at the default level on its light steps (the layers' statistics, weight and gradient norms; its
+only full step is the warm-up step); one at the default level whose every step is a full one
+(``param_every=1``: optimizer state norms and update ratios too); and the same two with every
+module's statistics (``level="all"``). A step is forward + loss + backward + ``optimizer.step()``
++ ``w.step()``.
 
-Time is the process's CPU time (``time.process_time``, every thread), which other jobs on a
-shared machine disturb far less than wall time (wall time is printed too). Two figures per
-configuration, after one warm-up step: the side-by-side ratio (median watched step over median
-plain step), and watch's own CPU time (every watch hook and ``w.step()`` timed from inside)
-over the plain step, which is far less noisy than a difference of two noisy steps.
-"default, amortized" weighs the light and full steps 9:1, as a run at ``--param-every 10`` sees them.
+The steps are interleaved: each round runs one step of every copy, in an order rotated from
+round to round (no copy always follows the same one), so machine noise hits them alike. Per
+round and configuration, two ratios to the plain step of the same round:
+
+- **side by side**: the watched step's process CPU time (``time.process_time``, every thread;
+  other jobs on a shared machine disturb it far less than wall time, printed too) over the plain
+  step's;
+- **watch's own**: the CPU time spent inside watch (every hook and ``w.step()`` timed from
+  inside, nested calls once) over the plain step's: far less noisy than a ratio of two noisy
+  steps, and split by where it goes (forward hooks, gradient hooks, optimizer pre-hook: gradient
+  norms and the weight copy; post-hook: weight norms, update ratios, state norms; ``w.step()``:
+  stacking, read-back, the log line).
+
+Each figure is the median over the rounds (after one warm-up round) with its spread (min-max).
+"amortized" weighs light and full steps 9:1, as a run at the default ``--param-every 10`` sees them.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -39,6 +48,11 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import precisiondiff  # noqa: E402
 from tiny_transformer import TinyTransformer  # noqa: E402
 
+# where watch's own time goes: the method timed, and the part it is counted in (the outermost
+# timed call wins: a gradient's statistics inside the gradient hook count as "grad hooks")
+PARTS = {"_fwd_post": "forward hooks", "_add": "grad hooks", "_optimizer_pre": "optimizer pre",
+         "_optimizer_post": "optimizer post", "step": "step end"}
+
 
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
@@ -47,11 +61,12 @@ def _sync(device: torch.device) -> None:
 
 def _meter(w) -> dict:
     """Time watch's own work: its hooks and ``step`` wrapped on the instance (before it is entered,
-    so the hooks it installs are the wrapped ones); nested calls are counted once."""
-    spent = {"cpu": 0.0}
+    so the hooks it installs are the wrapped ones); nested calls are counted once, in the part of
+    the outermost call."""
+    spent = {part: 0.0 for part in PARTS.values()}
     depth = [0]
-    for name in ("_fwd_post", "_add", "_optimizer_pre", "_optimizer_post", "step"):
-        def wrapped(*args, _fn=getattr(w, name), **kwargs):
+    for name, part in PARTS.items():
+        def wrapped(*args, _fn=getattr(w, name), _part=part, **kwargs):
             if depth[0]:
                 return _fn(*args, **kwargs)
             depth[0] += 1
@@ -59,10 +74,21 @@ def _meter(w) -> dict:
             try:
                 return _fn(*args, **kwargs)
             finally:
-                spent["cpu"] += time.process_time() - c0
+                spent[_part] += time.process_time() - c0
                 depth[0] -= 1
         setattr(w, name, wrapped)
     return spent
+
+
+def _summary(values: list) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _load() -> str:
+    try:
+        return "load average %.1f %.1f %.1f" % os.getloadavg()
+    except OSError:
+        return "load average unknown"
 
 
 def main() -> None:
@@ -73,25 +99,30 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds (after one warm-up round)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--configs", default="default,default_full,all,all_full",
+                        help="watched configurations beside the plain one")
+    parser.add_argument("--json", default=None, help="also write every per-round figure to this file")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
     base = TinyTransformer(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers).to(device, dtype)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
-    configs = {"plain": None, "default": {"param_every": 10 ** 9}, "default_full": {"param_every": 1},
-               "all": {"level": "all", "param_every": 10 ** 9}, "all_full": {"level": "all", "param_every": 1}}
+    known = {"default": {"param_every": 10 ** 9}, "default_full": {"param_every": 1},
+             "all": {"level": "all", "param_every": 10 ** 9}, "all_full": {"level": "all", "param_every": 1}}
+    configs = {"plain": None, **{name: known[name] for name in args.configs.split(",")}}
     runs = {}
     for name in configs:
         model = copy.deepcopy(base).train()
-        runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4), "cpu": [],
-                      "wall": [], "own": []}
+        runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4),
+                      "cpu": [], "wall": [], "own": [], "parts": []}
     n_params = sum(p.numel() for p in base.parameters())
     del base
     print(f"decoder {n_params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, vocab {args.vocab}), "
-          f"batch {args.batch}x{args.seq} tokens, {args.dtype} on {device}, AdamW; {torch.get_num_threads()} threads")
+          f"batch {args.batch}x{args.seq} tokens, {args.dtype} on {device}, AdamW; {torch.get_num_threads()} threads; "
+          f"{os.cpu_count()} CPUs; start: {_load()}", flush=True)
 
     def step(run, w) -> None:
         model, opt = run["model"], run["opt"]
@@ -104,6 +135,8 @@ def main() -> None:
             w.step(loss=loss)
         _sync(device)
 
+    names = list(runs)
+    loads = [_load()]
     with tempfile.TemporaryDirectory() as tmp:
         watches, meters = {}, {}
         for name, run in runs.items():
@@ -112,36 +145,72 @@ def main() -> None:
                 meters[name] = _meter(w)
                 watches[name] = w.__enter__()
         try:
-            for i in range(args.steps + 1):
-                for name, run in runs.items():
-                    own0 = meters[name]["cpu"] if name in meters else 0.0
+            for i in range(args.rounds + 1):
+                order = names[i % len(names):] + names[:i % len(names)]
+                for name in order:
+                    run = runs[name]
+                    parts0 = dict(meters.get(name, {}))
                     t0, c0 = time.perf_counter(), time.process_time()
                     step(run, watches.get(name))
+                    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
                     if i:
-                        run["cpu"].append(time.process_time() - c0)
-                        run["wall"].append(time.perf_counter() - t0)
-                        run["own"].append((meters[name]["cpu"] if name in meters else 0.0) - own0)
-                print(f"  round {i}: " + ", ".join(f"{n} {(r['cpu'] or [0])[-1]:.2f} cpu-s"
-                                                  for n, r in runs.items()), file=sys.stderr, flush=True)
+                        parts = {p: meters[name][p] - parts0[p] for p in parts0}
+                        run["cpu"].append(cpu)
+                        run["wall"].append(wall)
+                        run["parts"].append(parts)
+                        run["own"].append(sum(parts.values()))
+                loads.append(_load())
+                print(f"  round {i}{' (warm-up)' if not i else ''}: " + ", ".join(
+                    f"{n} {runs[n]['cpu'][-1]:.2f}" for n in names if i) + f" cpu-s; {loads[-1]}",
+                    file=sys.stderr, flush=True)
         finally:
             for w in watches.values():
                 w.close()
         sizes = {name: os.path.getsize(os.path.join(tmp, name, "watch.jsonl")) for name in watches}
-    med = {name: {k: statistics.median(r[k]) for k in ("cpu", "wall", "own")} for name, r in runs.items()}
-    plain = med["plain"]
-    print(f"{'configuration':<40} {'cpu s/step':>10} {'ratio':>7} {'wall s/step':>11} {'ratio':>7} "
-          f"{'watch own cpu s':>15} {'own/plain':>9}")
-    labels = {"plain": "plain", "default": "default, light step", "default_full": "default, full step (state, updates)",
-              "all": "all modules, light step", "all_full": "all modules, full step (everything)",
-              "amortized": "default, amortized (9 light : 1 full)",
+    plain = runs["plain"]
+    rows = {}
+    for name in watches:
+        r = runs[name]
+        rows[name] = {
+            "side_by_side": [c / p for c, p in zip(r["cpu"], plain["cpu"])],
+            "side_by_side_wall": [c / p for c, p in zip(r["wall"], plain["wall"])],
+            "own": [o / p for o, p in zip(r["own"], plain["cpu"])],
+            "parts": {part: [x[part] / p for x, p in zip(r["parts"], plain["cpu"])] for part in PARTS.values()},
+        }
+    for amortized, light, full in (("default_amortized", "default", "default_full"), ("all_amortized", "all", "all_full")):
+        if light in rows and full in rows:
+            rows[amortized] = {k: [(9 * a + b) / 10 for a, b in zip(rows[light][k], rows[full][k])]
+                               for k in ("side_by_side", "side_by_side_wall", "own")}
+    labels = {"default": "default, light step", "default_full": "default, full step (state, updates)",
+              "all": "all modules, light step", "all_full": "all modules, full step (everything every step)",
+              "default_amortized": "default, amortized (9 light : 1 full)",
               "all_amortized": "all modules, amortized (9 light : 1 full)"}
-    rows = dict(med)
-    rows["amortized"] = {k: (9 * med["default"][k] + med["default_full"][k]) / 10 for k in ("cpu", "wall", "own")}
-    rows["all_amortized"] = {k: (9 * med["all"][k] + med["all_full"][k]) / 10 for k in ("cpu", "wall", "own")}
-    for name, m in rows.items():
-        print(f"{labels[name]:<40} {m['cpu']:>10.3f} {m['cpu'] / plain['cpu']:>7.3f} {m['wall']:>11.3f} "
-              f"{m['wall'] / plain['wall']:>7.3f} {m['own']:>15.4f} {m['own'] / plain['cpu']:>9.4f}")
-    print("log bytes per step: " + ", ".join(f"{k} {v // (args.steps + 1)}" for k, v in sizes.items()))
+    print(f"plain step: cpu {_fmt_s(plain['cpu'])}, wall {_fmt_s(plain['wall'])}")
+    print(f"{'configuration':<48} {'own/plain: median [min-max]':>30} {'side by side cpu':>26} {'wall':>22}")
+    for name, row in rows.items():
+        print(f"{labels[name]:<48} {_fmt_r(row['own']):>30} {_fmt_r(row['side_by_side']):>26} "
+              f"{_fmt_r(row['side_by_side_wall']):>22}")
+    print("watch's own time by part (median share of a plain step):")
+    for name, row in rows.items():
+        if "parts" in row:
+            print(f"  {labels[name]:<46} " + ", ".join(f"{part} {100 * statistics.median(v):.2f}%"
+                                                      for part, v in row["parts"].items()))
+    print("log bytes per step: " + ", ".join(f"{k} {v // (args.rounds + 1)}" for k, v in sizes.items()))
+    print("load: " + "; ".join(loads[::max(1, len(loads) // 4)] + [loads[-1]]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "params": n_params, "plain_cpu": plain["cpu"], "plain_wall": plain["wall"],
+                       "rows": rows, "loads": loads, "log_bytes": sizes}, fh, indent=1)
+
+
+def _fmt_r(values: list) -> str:
+    s = _summary(values)
+    return f"{100 * s['median']:.2f}% [{100 * s['min']:.2f}-{100 * s['max']:.2f}]"
+
+
+def _fmt_s(values: list) -> str:
+    s = _summary(values)
+    return f"{s['median']:.2f} s [{s['min']:.2f}-{s['max']:.2f}]"
 
 
 if __name__ == "__main__":

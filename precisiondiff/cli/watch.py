@@ -15,7 +15,7 @@ __all__ = ["watch"]
 @click.option("--modules", default=None, metavar="REGEX", help="watch the modules whose path matches REGEX instead")
 @click.option("--every", type=int, default=1, show_default=True, help="watch every N-th step")
 @click.option("--param-every", "param_every", type=int, default=10, show_default=True,
-              help="optimizer state norms and update/weight ratios every N-th watched step")
+              help="weight norms, optimizer state norms and update/weight ratios every N-th watched step")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed every RNG before the script runs")
 @click.option("--overwrite", is_flag=True, help="replace an existing log in OUT")
 @click.option("--replay-steps", "replay_steps", default=None, metavar="STEPS",

@@ -19,6 +19,14 @@ Thresholds, without a noise run (the defaults, :data:`DEFAULTS`):
   gradient: ``k·C^(L+1−l)·eps``; parameters: ``k·C^(L+1)·eps`` (Megatron/TTrace's
   depth-aware gradient bound, k = 4, C = 1.03, eps = ``finfo(dtype).eps`` of the lower
   precision of the two runs);
+- a parameter's quantity (its gradient, weight, update ratio, each optimizer state) is judged
+  at the eps of the dtype its tensor is held in (the log's ``param_dtypes``: float32 moments and
+  master weights of bf16 parameters at float32's) while what it is computed from agrees bitwise
+  in both runs: for a gradient, every module tensor of the step; for the others, the
+  parameter's gradient at every compared step so far. Once that differs, the quantity inherits
+  its inputs' rounding and is judged as before, at the eps of the lower precision of the two
+  runs' parameter dtypes (or its own, if coarser). Logs without ``param_dtypes`` are judged
+  that way throughout;
 - a spike: a loss or gradient norm that grows more than 10x from one watched step to the next
   in one run but not in the other (Megatron's spike factor).
 
@@ -111,6 +119,10 @@ class _Quantity:
     depth: Optional[int]
     static: float
     eps: float = 0.0
+    # a parameter's quantity judged at its own dtype's eps while its inputs agree (module
+    # docstring): that threshold and eps; ``static``/``eps`` are then the inherited (coarse) ones
+    fine: Optional[float] = None
+    fine_eps: Optional[float] = None
     errors: Dict[int, float] = field(default_factory=dict)
     band: Dict[int, float] = field(default_factory=dict)
 
@@ -144,8 +156,8 @@ def _split(key: str) -> Tuple[str, str]:
 def _quantities(la: WatchLog, lb: WatchLog, steps: List[int]) -> List[_Quantity]:
     """Every quantity both logs hold, in execution order, with its static threshold."""
     a0 = la.by_step()[steps[0]]
-    dtypes_a = next((r.get("dtypes") for r in la.steps if r.get("dtypes")), {}) or {}
-    dtypes_b = next((r.get("dtypes") for r in lb.steps if r.get("dtypes")), {}) or {}
+    dtypes_a, held_a = la.held_dtypes()
+    dtypes_b, held_b = lb.held_dtypes()
     keys_b = set(lb.by_step()[steps[0]]["tensors"])
     forward = [k for k in a0["tensors"] if k in keys_b and not _split(k)[1].startswith("grad_")]
     backward = [k for k in a0["tensors"] if k in keys_b and _split(k)[1].startswith("grad_")]
@@ -168,11 +180,19 @@ def _quantities(la: WatchLog, lb: WatchLog, steps: List[int]) -> List[_Quantity]
         eps = _eps(dtypes_a.get(k), dtypes_b.get(k))
         out.append(_Quantity(k, scope, tensor, len(out), l, k_ * c_ ** (layers + 1 - l) * eps, eps))
     pb = lb.by_step()[steps[0]]["params"]
+    inherited = _eps(*param_dtypes)  # the lowest precision of the runs' parameters (the rule of old logs)
+    bound = k_ * c_ ** (layers + 1)
     for name, values in a0["params"].items():
         for what in values:
             if what in pb.get(name, {}):
-                eps = _eps(*param_dtypes)
-                out.append(_Quantity(f"{name}:{what}", name, what, len(out), None, k_ * c_ ** (layers + 1) * eps, eps))
+                own_a, own_b = held_a.get(name, {}).get(what), held_b.get(name, {}).get(what)
+                q = _Quantity(f"{name}:{what}", name, what, len(out), None, bound * inherited, inherited)
+                if own_a is not None and own_b is not None:
+                    own = _eps(own_a, own_b)
+                    q.eps = max(own, inherited)
+                    q.static = bound * q.eps
+                    q.fine, q.fine_eps = bound * own, own
+                out.append(q)
     return out
 
 
@@ -223,12 +243,27 @@ class StepJudge:
         self._band: Dict[str, float] = {}
         self._prev_a: Dict[str, Optional[float]] = {}
         self._prev_b: Dict[str, Optional[float]] = {}
+        self._grad_differed: set = set()  # parameters whose gradients differed at a judged step
+        self._fine: set = set()  # the quantities judged at their own dtype at the last judged step
 
     def threshold(self, q: _Quantity) -> float:
         """The quantity's threshold at the last judged step."""
+        fine = q.key in self._fine
         if self.noise:
-            return max(DEFAULTS["noise_margin"] * self._band.get(q.key, 0.0), self.floor)
-        return q.static
+            floor = DEFAULTS["noise_floor_u"] * q.fine_eps / 2 if fine else self.floor
+            return max(DEFAULTS["noise_margin"] * self._band.get(q.key, 0.0), floor)
+        return q.fine if fine else q.static
+
+    def _inputs_agree(self, errors: List[Tuple[_Quantity, Optional[float]]]) -> set:
+        """The keys of the parameter quantities whose inputs are bitwise equal in both runs at this
+        step (module docstring), from the step's errors; updates the parameters' gradient history."""
+        modules_equal = all(err == 0.0 for q, err in errors if err is not None and (q.depth is not None or q.key == "loss"))
+        before = set(self._grad_differed)
+        for q, err in errors:
+            if q.tensor == "grad" and q.depth is None and err is not None and err != 0.0:
+                self._grad_differed.add(q.scope)
+        return {q.key for q, _ in errors if q.fine is not None and (
+            q.scope not in self._grad_differed if q.tensor != "grad" else modules_equal and q.scope not in before)}
 
     def judge(self, s: int, ra: Dict[str, Any], rb: Dict[str, Any], rc: Optional[Dict[str, Any]] = None
               ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
@@ -242,8 +277,9 @@ class StepJudge:
         """
         crossed = []
         worst, worst_key, bitwise = 0.0, None, True
-        for q in self.quantities:
-            err = _value_errors(q, ra, rb)
+        errors = [(q, _value_errors(q, ra, rb)) for q in self.quantities]
+        self._fine = self._inputs_agree(errors)
+        for q, err in errors:
             if err is None:
                 continue
             if self.keep:
@@ -274,6 +310,7 @@ class StepJudge:
         q, err, threshold, reason = crossed[0]
         return entry, {"step": s, "key": q.key, "scope": q.scope, "tensor": q.tensor, "error": err,
                        "threshold": threshold, "reason": reason, "depth": q.depth,
+                       "eps": q.fine_eps if q.key in self._fine else q.eps,
                        "crossed": [c[0].key for c in crossed][:20]}
 
 

@@ -132,14 +132,20 @@ def global_log(logs: Dict[int, WatchLog]) -> WatchLog:
     header["model"] = {**first.header.get("model", {}), "signature": names_signature(first.header)}
     by_step = [lg.by_step() for lg in ranks]
     steps = sorted(set.intersection(*(set(b) for b in by_step)))
-    dtypes = next((r.get("dtypes") for r in first.steps if r.get("dtypes")), None)
+    dtypes, param_dtypes = first.held_dtypes()
+    for lg in ranks[1:]:  # under ZeRO each rank logs its own parameters
+        for name, kinds in lg.held_dtypes()[1].items():
+            param_dtypes.setdefault(name, kinds)
     fragments = frozenset(name for lg in ranks for name, f in lg.header.get("model", {}).get("shards", {}).items()
                           if f.get("placements") == ["ZeRO"])
     records = []
     for s in steps:
         record = _combine_step([b[s] for b in by_step], fragments)
-        if dtypes and not records:
-            record["dtypes"] = dtypes
+        if not records:
+            if dtypes:
+                record["dtypes"] = dtypes
+            if param_dtypes:
+                record["param_dtypes"] = param_dtypes
         records.append(record)
     path = first.path if len(ranks) == 1 else f"{first.path} (+{len(ranks) - 1} ranks, global statistics)"
     return WatchLog(path=path, header=header, steps=records, notes=[n for lg in ranks for n in lg.notes],

@@ -8,7 +8,10 @@ job). Its lines, in order:
   the DTensor parameters' placements and mesh, :mod:`.shards`);
 - one ``step`` record per watched step: ``{"step": N, "loss": x, "tensors": {KEY: [...]},
   "params": {NAME: {"weight": ..., "grad": ..., ...}}}``, where ``KEY`` is ``scope:output`` or
-  ``scope:grad_output`` and each list follows ``fields``;
+  ``scope:grad_output`` and each list follows ``fields``; the first record holds ``dtypes`` (each
+  tensor key's dtype), and a record in which a parameter quantity first appears holds
+  ``param_dtypes`` (``{NAME: {"grad": "bfloat16", "state.exp_avg": "float32", ...}}``: the dtype
+  of the tensor each norm was taken of, by which compare judges it);
 - ``{"note": "..."}`` lines (watch's own errors);
 - an ``{"end": {"steps": N}}`` line when the run closed the watch; without it the log is partial.
 
@@ -96,6 +99,22 @@ class WatchLog:
 
     def by_step(self) -> Dict[int, Dict[str, Any]]:
         return {int(r["step"]): r for r in self.steps}
+
+    def held_dtypes(self) -> "tuple[Dict[str, str], Dict[str, Dict[str, str]]]":
+        """The dtypes the logged quantities are held in: ``({tensor key: dtype}, {parameter:
+        {quantity: dtype}})``, merged over the step records that declare them (``dtypes``,
+        ``param_dtypes``); a log written before ``param_dtypes`` existed has none for parameters."""
+        tensors: Dict[str, str] = {}
+        params: Dict[str, Dict[str, str]] = {}
+        for r in self.steps:
+            if r.get("dtypes"):
+                for k, v in r["dtypes"].items():
+                    tensors.setdefault(k, v)
+            for name, kinds in (r.get("param_dtypes") or {}).items():
+                into = params.setdefault(name, {})
+                for what, v in kinds.items():
+                    into.setdefault(what, v)
+        return tensors, params
 
 
 def _log_files(path: str) -> Dict[int, str]:

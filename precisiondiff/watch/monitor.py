@@ -5,9 +5,10 @@ Per watched step (every ``every``-th step):
 - every watched module's outputs and output gradients: the statistics of
   :class:`~precisiondiff.capture.stats.StatsBatch` (min, max, mean, abs-mean, L2 norm, NaN and
   Inf counts, content fingerprint), batched and read back in one copy per device;
-- every parameter's weight and gradient L2 norm (one multi-tensor ``_foreach_norm`` per device
-  and dtype); every ``param_every``-th watched step also, when an optimizer is watched, the
-  norm of each optimizer state tensor and the update/weight ratio ``‖w_after − w_before‖ / ‖w_after‖``;
+- every parameter's gradient L2 norm (one multi-tensor ``_foreach_norm`` per device and dtype);
+  every ``param_every``-th watched step (a full step) also its weight's norm and, when an
+  optimizer is watched, the norm of each optimizer state tensor and the update/weight ratio
+  ``‖w_after − w_before‖ / ‖w_after‖``;
 - the loss.
 
 The scalars are stacked on their device and copied to the host once per step, into pinned
@@ -89,6 +90,10 @@ def unwrapped(module: nn.Module) -> nn.Module:
     return module
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _norms(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """L2 norms of ``tensors`` as 0-d tensors on their devices: one ``_foreach_norm`` per (device,
     dtype), accumulated in float64 for float64 tensors and float32 otherwise."""
@@ -113,12 +118,14 @@ def _norms(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 class _Pending:
     """One watched step waiting for its read-back: the statistics batch and the scalars' copies."""
 
-    __slots__ = ("step", "keys", "batch", "scalars", "copies", "dtypes")
+    __slots__ = ("step", "keys", "batch", "scalars", "copies", "dtypes", "param_dtypes")
 
     def __init__(self, step: int, keys: List[Tuple[str, int, int]], batch: StatsBatch,
-                 scalars: List[Tuple[str, str]], copies: list, dtypes: Optional[dict]) -> None:
+                 scalars: List[Tuple[int, Tuple[str, str]]], copies: list, dtypes: Optional[dict],
+                 param_dtypes: Optional[dict] = None) -> None:
         self.step, self.keys, self.batch, self.scalars, self.copies, self.dtypes = \
             step, keys, batch, scalars, copies, dtypes
+        self.param_dtypes = param_dtypes
 
     def record(self) -> Dict[str, Any]:
         self.batch.resolve()
@@ -129,7 +136,7 @@ class _Pending:
             values.extend(host.tolist())
         record: Dict[str, Any] = {"step": self.step, "loss": None}
         params: Dict[str, Dict[str, float]] = {}
-        for (name, what), value in zip(self.scalars, values):
+        for (_, (name, what)), value in sorted(zip(self.scalars, values), key=lambda item: item[0][0]):
             if name == "" and what == "loss":
                 record["loss"] = value
             else:
@@ -142,6 +149,8 @@ class _Pending:
         record["params"] = params
         if self.dtypes is not None:
             record["dtypes"] = self.dtypes
+        if self.param_dtypes:
+            record["param_dtypes"] = self.param_dtypes
         return record
 
 
@@ -157,7 +166,7 @@ class Watch:
             or ``all`` (every module).
         modules: a regex (``re.search`` on module paths) instead of ``level``'s selection.
         every: watch every N-th step.
-        param_every: optimizer state norms and update ratios on every N-th watched step.
+        param_every: weight norms, optimizer state norms and update ratios on every N-th watched step.
         meta: extra fields for the header's ``meta``.
         overwrite: replace an existing log.
         global_hooks: hook every module and every optimizer of the process (script watching);
@@ -234,6 +243,7 @@ class Watch:
         self._writer: Optional[LogWriter] = None
         self._pending: List[_Pending] = []
         self._wrote_dtypes = False
+        self._declared: set = set()  # (parameter, quantity) pairs whose dtype the log has
         self._early_notes: List[str] = []  # notes waiting for the log to open
         self._closed = False
         self._begin_step()
@@ -345,21 +355,50 @@ class Watch:
     # -- per step -----------------------------------------------------------------------------
     def _begin_step(self) -> None:
         self._on = (self.step_index % self.every == 0) and not self.errors and not self._closed
+        # a full step also reads every weight (its norm), each optimizer state and the update: on
+        # every param_every-th watched step only, since each is a pass over the parameters'
+        # memory (docs/watch.md, "Cost"); a light step reads the gradients once
         self._params_full = self._on and (self.step_index // self.every) % self.param_every == 0
         self._batch = StatsBatch() if self._on else None
         self._keys: List[Tuple[str, int, int]] = []
         self._dtypes: Dict[str, str] = {}
         self._calls: Dict[str, int] = {}
-        self._scalars: List[Tuple[str, str, torch.Tensor]] = []
+        # the step's scalars on their devices: (parameter, quantity) names and 0-d tensors, in order
+        self._scalar_names: List[Tuple[str, str]] = []
+        self._scalar_values: List[torch.Tensor] = []
+        self._new_dtypes: Dict[str, Dict[str, str]] = {}  # quantities first seen in this step: their dtypes
+        self._seen: Dict[int, Tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, version, handle)
+        self._plists: Dict[int, List[Tuple[str, torch.Tensor]]] = {}  # id(optimizer) -> its parameters
         self._losses: List[torch.Tensor] = []
         self._before: Dict[int, List[torch.Tensor]] = {}
         self._grads_done: set = set()
         self._params_done = False
 
     def _add(self, key: str, t: torch.Tensor) -> None:
-        with torch.no_grad():
-            self._keys.append((key, self._batch.add(t.detach()), t.numel()))
-        self._dtypes.setdefault(key, str(t.dtype).replace("torch.", ""))
+        # the same tensor twice in a step (the root's output is its last layer's, and so is its
+        # gradient): measured once, unless it was modified in place since
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            handle = seen[2]
+        else:
+            with torch.no_grad():
+                handle = self._batch.add(t.detach())
+            self._seen[id(t)] = (weakref.ref(t), t._version, handle)
+        self._keys.append((key, handle, t.numel()))
+        self._dtypes.setdefault(key, _dtype_name(t.dtype))
+
+    def _scalars(self, names: List[Tuple[str, str]], values: Sequence[torch.Tensor],
+                 held: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Queue a step's per-parameter scalars; ``held``: the tensors whose dtype each one is
+        judged at (the log's ``param_dtypes``, written where a quantity first appears)."""
+        self._scalar_names.extend(names)
+        self._scalar_values.extend(values)
+        if held is not None:
+            declared = self._declared
+            for (name, what), t in zip(names, held):
+                if (name, what) not in declared:
+                    declared.add((name, what))
+                    self._new_dtypes.setdefault(name, {})[what] = _dtype_name(t.dtype)
 
     def _fwd_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._on:
@@ -419,6 +458,9 @@ class Watch:
     # -- parameters ---------------------------------------------------------------------------
     def _param_list(self, optimizer: Any = None) -> List[Tuple[str, torch.Tensor]]:
         if optimizer is not None:
+            cached = self._plists.get(id(optimizer))
+            if cached is not None:  # the pre-hook's list, in the same step's post-hook
+                return cached
             params = [p for group in optimizer.param_groups for p in group["params"]]
         else:
             model = self._model() if self._model is not None else None
@@ -429,13 +471,16 @@ class Watch:
                 continue
             seen.add(id(p))
             out.append((self._param_names.get(id(p), f"param.{i}"), p))
+        if optimizer is not None:
+            self._plists[id(optimizer)] = out
         return out
 
     def _grad_norms(self, params: List[Tuple[str, torch.Tensor]]) -> None:
-        with_grad = [(n, p.grad) for n, p in params if p.grad is not None and id(p) not in self._grads_done]
-        self._grads_done.update(id(p) for _, p in params)
-        for (name, _), norm in zip(with_grad, _norms([g for _, g in with_grad])):
-            self._scalars.append((name, "grad", norm))
+        done = self._grads_done
+        with_grad = [(n, p.grad) for n, p in params if p.grad is not None and id(p) not in done]
+        done.update(id(p) for _, p in params)
+        grads = [g for _, g in with_grad]
+        self._scalars([(n, "grad") for n, _ in with_grad], _norms(grads), grads)
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         if not self._on:
@@ -461,36 +506,39 @@ class Watch:
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._on:
             return
+        if not self._params_full:  # a light step: the gradients' norms were all (see _begin_step)
+            self._params_done = True
+            return
         try:
             with torch.no_grad(), self._quiet():
                 if zero_after(self, optimizer):  # a DeepSpeed ZeRO partition: per parameter fragment (zero.py)
                     self._params_done = True
                     return
                 params = self._param_list(optimizer)
-                weights = _norms([p for _, p in params])
-                for (name, _), norm in zip(params, weights):
-                    self._scalars.append((name, "weight", norm))
+                tensors = [p for _, p in params]
+                weights = _norms(tensors)
+                self._scalars([(n, "weight") for n, _ in params], weights, tensors)
                 before = self._before.pop(id(optimizer), None)
                 if before is not None and len(before) == len(params):
-                    torch._foreach_sub_(before, [p.detach() for _, p in params])  # in place: no new memory
-                    for (name, _), d, w in zip(params, _norms(before), weights):
-                        self._scalars.append((name, "update_ratio", d / w))
+                    torch._foreach_sub_(before, [p.detach() for p in tensors])  # in place: no new memory
+                    # one multi-tensor division: ‖w_after − w_before‖ / ‖w_after‖
+                    self._scalars([(n, "update_ratio") for n, _ in params], torch._foreach_div(_norms(before), weights),
+                                  tensors)
                     del before
-                if self._params_full:
-                    self._state_norms(optimizer, params)
+                self._state_norms(optimizer, params)
             self._params_done = True
         except Exception as err:  # noqa: BLE001
             self._fail(err)
 
     def _state_norms(self, optimizer: Any, params: List[Tuple[str, torch.Tensor]]) -> None:
         names, tensors = [], []
+        state = optimizer.state
         for name, p in params:
-            for what, value in optimizer.state.get(p, {}).items():
+            for what, value in state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     names.append((name, f"state.{what}"))
                     tensors.append(value)
-        for (name, what), norm in zip(names, _norms(tensors)):
-            self._scalars.append((name, what, norm))
+        self._scalars(names, _norms(tensors), tensors)  # each judged at its own dtype (compare.py)
 
     def _optimizer_post_global(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._optimizer_post(optimizer, args, kwargs)
@@ -560,28 +608,38 @@ class Watch:
             if not self._params_done:
                 params = self._param_list()
                 self._grad_norms(params)
-                for (name, _), norm in zip(params, _norms([p for _, p in params])):
-                    self._scalars.append((name, "weight", norm))
+                if self._params_full:
+                    tensors = [p for _, p in params]
+                    self._scalars([(n, "weight") for n, _ in params], _norms(tensors), tensors)
             if loss is not None:
                 self._losses = [loss.detach().reshape(()) if isinstance(loss, torch.Tensor)
                                 else torch.tensor(float(loss), dtype=torch.float64)]
+            scalar_names, scalar_values = self._scalar_names, self._scalar_values
             if self._losses:
                 losses = [x.to(torch.float64 if x.device.type == "cpu" else torch.float32) for x in self._losses]
                 value = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-                self._scalars.insert(0, ("", "loss", value))
+                scalar_names.insert(0, ("", "loss"))
+                scalar_values.insert(0, value)
             names: List[Tuple[str, str]] = []
             copies = []
-            per_device: Dict[torch.device, List[Tuple[Tuple[str, str], torch.Tensor]]] = {}
-            for name, what, value in self._scalars:
-                per_device.setdefault(value.device, []).append(((name, what), value))
-            for device, items in per_device.items():
+            # one stack per (device, dtype), then one conversion and one host copy per device: a
+            # few kernels per step, not one per scalar
+            groups: Dict[torch.device, Dict[torch.dtype, List[int]]] = {}
+            for i, value in enumerate(scalar_values):
+                groups.setdefault(value.device, {}).setdefault(value.dtype, []).append(i)
+            for device, by_dtype in groups.items():
                 acc = torch.float64 if device.type == "cpu" else torch.float32
-                vector = torch.stack([v.to(acc) for _, v in items])
-                names.extend(n for n, _ in items)
+                parts, order = [], []
+                for index in by_dtype.values():
+                    parts.append(torch.stack([scalar_values[i].reshape(()) for i in index]).to(acc))
+                    order.extend(index)
+                vector = parts[0] if len(parts) == 1 else torch.cat(parts)
+                names.extend((i, scalar_names[i]) for i in order)  # record() restores the order
                 (host,), done = copy_to_host([vector])
                 copies.append((host, done))
             self._batch.start()
-        self._pending.append(_Pending(self.step_index, self._keys, self._batch, names, copies, self._dtypes))
+        self._pending.append(_Pending(self.step_index, self._keys, self._batch, names, copies, self._dtypes,
+                                      self._new_dtypes))
         # a trigger decides at the step's end, so the next step can be captured: read it back now
         self._drain(all_of_them=not self._on_accelerator(copies) or self._triggers is not None)
 
@@ -725,7 +783,7 @@ def watch(out: "str | os.PathLike", *, model: Optional[nn.Module] = None, optimi
             and updates after.
         level: ``default`` (the layers: the root, its children, members of module lists) or ``all``.
         modules: a regex on module paths instead of the level's selection.
-        every: watch every N-th step; param_every: state norms and update ratios every N-th watched step.
+        every: watch every N-th step; param_every: weight norms, state norms and update ratios every N-th watched step.
         meta: extra fields for the log's header.
         overwrite: replace an existing log.
         replay_steps: capture these steps (``"5,6"``) in replay mode into ``out/replay``.

@@ -45,11 +45,14 @@ def test_a_step_record_holds_layers_parameters_and_the_loss(tmp_path):
     # the norm in the log is the tensor's L2 norm
     x = model.embed(tokens)
     assert first["tensors"]["embed:output"][4] == pytest.approx(torch.linalg.vector_norm(x.double()).item(), rel=1e-3)
-    full, light = log.steps[0]["params"]["head.weight"], log.steps[1]["params"]["head.weight"]
+    # full steps (every param_every-th: 0 and 2) hold weight, state and update norms; light ones the gradient's
+    full, light = log.steps[2]["params"]["head.weight"], log.steps[1]["params"]["head.weight"]
     assert set(full) == {"grad", "weight", "update_ratio", "state.exp_avg", "state.exp_avg_sq"}
-    assert set(light) == {"grad", "weight"}
+    assert set(light) == {"grad"}
     assert 0 < full["update_ratio"] < 0.1 and math.isclose(
-        light["weight"], torch.linalg.vector_norm(opt.param_groups[0]["params"][-2].detach()).item(), rel_tol=0.1)
+        full["weight"], torch.linalg.vector_norm(opt.param_groups[0]["params"][-2].detach()).item(), rel_tol=1e-5)
+    assert math.isclose(full["state.exp_avg"], opt.state[opt.param_groups[0]["params"][-2]]["exp_avg"].norm().item(),
+                        rel_tol=1e-5)
 
 
 def test_every_n_steps(tmp_path):
