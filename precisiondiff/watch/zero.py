@@ -74,8 +74,7 @@ def zero_before(w: Any, optimizer: Any) -> bool:
     from .monitor import _norms
     with torch.no_grad():
         grads = [(f.name, f.of(f.flat.grad)) for f in fragments if f.flat.grad is not None]
-        for (name, _), norm in zip(grads, _norms([g for _, g in grads])):
-            w._scalars.append((name, "grad", norm))
+        w._scalars([(name, "grad") for name, _ in grads], _norms([g for _, g in grads]), [g for _, g in grads])
         w._grads_done.update(id(f.flat) for f in fragments)
         if w._params_full:
             w._before[id(optimizer)] = [f.of(f.flat).detach().clone() for f in fragments]
@@ -91,13 +90,11 @@ def zero_after(w: Any, optimizer: Any) -> bool:
     from .monitor import _norms
     views = [f.of(f.flat) for f in fragments]
     weights = _norms(views)
-    for f, norm in zip(fragments, weights):
-        w._scalars.append((f.name, "weight", norm))
+    w._scalars([(f.name, "weight") for f in fragments], weights, views)
     before = w._before.pop(id(optimizer), None)
     if before is not None and len(before) == len(views):
         torch._foreach_sub_(before, [v.detach() for v in views])  # in place: no new memory
-        for f, d, n in zip(fragments, _norms(before), weights):
-            w._scalars.append((f.name, "update_ratio", d / n))
+        w._scalars([(f.name, "update_ratio") for f in fragments], torch._foreach_div(_norms(before), weights), views)
         del before
     if w._params_full:
         names, tensors = [], []
@@ -106,8 +103,7 @@ def zero_after(w: Any, optimizer: Any) -> bool:
                 if isinstance(value, torch.Tensor) and value.shape == f.flat.shape and value.numel() > 1:
                     names.append((f.name, f"state.{what}"))
                     tensors.append(f.of(value))
-        for (name, what), norm in zip(names, _norms(tensors)):
-            w._scalars.append((name, what, norm))
+        w._scalars(names, _norms(tensors), tensors)
     return True
 
 
