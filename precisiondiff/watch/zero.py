@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..capture.deepspeed import Fragment, zero_fragments
+from .tensors import _norms, unwrapped
 
 __all__ = ["zero_before", "zero_after", "zero_shards", "zero_shape", "ZERO_PLACEMENT"]
 
@@ -36,7 +37,6 @@ ZERO_PLACEMENT = "ZeRO"
 
 def _named(w: Any) -> List[Tuple[str, torch.Tensor]]:
     """The watched model's parameters with their names (the roots a script ran, or ``model``)."""
-    from .monitor import unwrapped
     model = w._model() if w._model is not None else None
     roots = [(unwrapped(model), "")] if model is not None else [(ref(), prefix) for ref, prefix in w._root_refs]
     return [(f"{prefix}.{name}" if prefix else name, p) for root, prefix in roots if root is not None
@@ -71,7 +71,6 @@ def zero_before(w: Any, optimizer: Any) -> bool:
     fragments = _fragments(w, optimizer)
     if not fragments:
         return False
-    from .monitor import _norms
     with torch.no_grad():
         grads = [(f.name, f.of(f.flat.grad)) for f in fragments if f.flat.grad is not None]
         w._scalars([(name, "grad") for name, _ in grads], _norms([g for _, g in grads]), [g for _, g in grads])
@@ -87,7 +86,6 @@ def zero_after(w: Any, optimizer: Any) -> bool:
     fragments = _fragments(w, optimizer)
     if not fragments:
         return False
-    from .monitor import _norms
     views = [f.of(f.flat) for f in fragments]
     weights = _norms(views)
     w._scalars([(f.name, "weight") for f in fragments], weights, views)
