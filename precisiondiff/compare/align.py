@@ -11,7 +11,9 @@ Rules (see docs/compare.md):
   ops present on one side only (an extra cast, a copy) are left unmatched while the others
   still pair up. In a replaced stretch (a fused kernel on one side where the other runs
   three ATen ops) the *last* ops of both stretches are paired as ``"fused"`` when their
-  output shapes agree: the fused kernel's output is the stretch's output. Dtype casts
+  output shapes agree: the fused kernel's output is the stretch's output. A pair of one name
+  whose output shapes disagree is re-paired with an op of that name in the group whose shapes
+  fit (:func:`_repair_by_shape`): sibling ops that ran in another order, an extra op of the name. Dtype casts
   (``aten._to_copy``) are aligned after the other ops, within the stretch between two matched
   ones: a run in another dtype adds casts by design, and an extra cast next to a repeated
   pattern (``mul mul sum``) must not shift the pattern's pairing.
@@ -172,6 +174,44 @@ def _align_names(a_ops: List[EventRef], b_ops: List[EventRef]) -> Tuple[List[Pai
     return pairs, un_a, un_b
 
 
+def _repair_by_shape(pairs: List[Pair], un_a: List[int], un_b: List[int], a_ops: List[EventRef],
+                     b_ops: List[EventRef]) -> Tuple[List[Pair], List[int], List[int]]:
+    """Re-pair the ops of one name in one group by their output shapes when name order paired
+    two of them whose shapes disagree: the k-th op of a shape on one side with the k-th of that
+    shape on the other, in execution order; the ops left over pair in order (a real difference
+    of shape still shows as a row) and the rest stay unmatched. Sibling backward ops run in
+    another order under an engine's autograd wrappers (ZeRO-3's ``lm_head`` gradients), and an
+    engine adds ops of a name the other side runs too (ZeRO-3's gradient copies): name order
+    alone pairs them wrongly and every such row fails on its shape."""
+    ev_a, ev_b = {e.index: e for e in a_ops}, {e.index: e for e in b_ops}
+    bad = {ev_a[p.a].name for p in pairs if p.how == "exact" and ev_a[p.a].out_shapes
+           and ev_b[p.b].out_shapes and ev_a[p.a].out_shapes != ev_b[p.b].out_shapes}
+    if not bad:
+        return pairs, un_a, un_b
+    keep = [p for p in pairs if not (p.how == "exact" and ev_a[p.a].name in bad)]
+    free_a, free_b = [i for i in un_a if ev_a[i].name not in bad], [j for j in un_b if ev_b[j].name not in bad]
+    for name in sorted(bad):
+        side_a = sorted((i for i in ev_a if ev_a[i].name == name and i not in {p.a for p in keep}),
+                        key=lambda i: ev_a[i].seq)
+        side_b = sorted((j for j in ev_b if ev_b[j].name == name and j not in {p.b for p in keep}),
+                        key=lambda j: ev_b[j].seq)
+        of_shape: Dict[Tuple, List[int]] = defaultdict(list)
+        for j in side_b:
+            of_shape[ev_b[j].out_shapes].append(j)
+        left_a = []
+        for i in side_a:
+            same = of_shape.get(ev_a[i].out_shapes)
+            if same:
+                keep.append(Pair(i, same.pop(0)))
+            else:
+                left_a.append(i)
+        left_b = sorted((j for js in of_shape.values() for j in js), key=lambda j: ev_b[j].seq)
+        keep.extend(Pair(i, j) for i, j in zip(left_a, left_b))
+        free_a.extend(left_a[len(left_b):])
+        free_b.extend(left_b[len(left_a):])
+    return keep, free_a, free_b
+
+
 def _merge_order(a: Sequence[EventRef], b: Sequence[EventRef], pairs: List[Pair],
                  un_a: List[int], un_b: List[int]) -> List[Tuple[Optional[int], Optional[int]]]:
     a_seq = {e.index: (e.step, e.seq) for e in a}
@@ -255,7 +295,7 @@ def align_events(a: Sequence[EventRef], b: Sequence[EventRef], *, check: bool = 
         if e.kind == "op":
             groups[seg_b[e.index]][1].append(e)
     for a_ops, b_ops in groups.values():
-        p, ua, ub = _align_ops(a_ops, b_ops)
+        p, ua, ub = _repair_by_shape(*_align_ops(a_ops, b_ops), a_ops, b_ops)
         pairs.extend(p)
         un_a.extend(ua)
         un_b.extend(ub)

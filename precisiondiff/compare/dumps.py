@@ -187,6 +187,11 @@ class _Keep:
                 and (self.direction is None or ev.direction == self.direction)
                 and (self.kind is None or ev.kind == self.kind))
 
+    def without_kind(self) -> "_Keep":
+        """The same filter for every kind: alignment needs the module events around the ops
+        (their module calls, a script's own ops) even when only ops are compared."""
+        return _Keep(self.scope_re, self.op_re, self.direction, None)
+
 
 def _rank_worker(a: str, b: str, noise: Optional[str], rank: int, ref_rank: Optional[int],
                  options: dict) -> Tuple[int, list, List[str]]:

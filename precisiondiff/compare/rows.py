@@ -56,14 +56,19 @@ def compare_rank(da: Any, db: Any, dn: Any, keep: Callable, inputs: bool, judge:
         what = "op" if other == "op" else "module and parameter-gradient"
         notes.append(f"A was captured at level {la}, B at {lb}: only {what} events are compared")
     # full tensors gathered at capture are compared as their shards' rows against a single reference
-    ev_a = [e for e in ev_a if keep(e) and not (judge.single_ref and e.kind == "gathered")]
-    ev_b = [e for e in ev_b if keep(e)]
+    kind = getattr(keep, "kind", None)
+    wide = keep.without_kind() if kind else keep  # --kind: aligned with every kind, rows of that kind
+    ev_a = [e for e in ev_a if wide(e) and not (judge.single_ref and e.kind == "gathered")]
+    ev_b = [e for e in ev_b if wide(e)]
     scripts = (da.meta.get("target") == "script", db.meta.get("target") == "script")
     alignment: Alignment = align_events(_refs(ev_a), _refs(ev_b), script=scripts)
+    if kind:
+        alignment.order = [(i, j) for i, j in alignment.order
+                           if (ev_a[i] if i is not None else ev_b[j]).kind == kind]
     notes.extend(n for n in alignment.notes if n not in notes)
     noise_of: Dict[int, Any] = {}
     if dn is not None:
-        ev_n = [e for e in dn.events() if keep(e)]
+        ev_n = [e for e in dn.events() if wide(e)]
         al_n = align_events(_refs(ev_a), _refs(ev_n))
         noise_of = {p.a: ev_n[p.b] for p in al_n.pairs}
     how = {p.a: p.how for p in alignment.pairs}

@@ -113,6 +113,40 @@ def test_extra_cast_is_unmatched_and_the_rest_still_pairs():
     assert al.order == [(0, 0), (1, None), (2, 1)]
 
 
+def test_sibling_ops_run_in_another_order_pair_by_their_shapes():
+    """ZeRO-3's autograd wrappers run ``lm_head``'s two backward GEMMs the other way round, with a
+    view between them: name order alone pairs the wrong GEMMs and both rows fail on shape."""
+    a = _ops(["aten.mm", "aten._unsafe_view", "aten.mm"], shapes=[((32, 32),), ((2, 16, 32),), ((64, 32),)])
+    b = _ops(["aten.mm", "aten.mm"], shapes=[((64, 32),), ((32, 32),)])
+    al = align_events(a, b)
+    assert {(p.a, p.b) for p in al.pairs} == {(0, 1), (2, 0)} and al.unmatched_a == [1]
+
+
+def test_an_extra_op_of_the_same_name_is_left_out_by_its_shape():
+    """ZeRO-3 copies a bias gradient (128,) into its partition before the (32, 128) copy the
+    reference runs too: the reference's copy pairs with the DUT copy of its shape."""
+    a = _ops(["aten.sum", "aten.copy_", "aten.copy_", "aten.copy_"],
+             shapes=[((1, 128),), ((128,),), ((32, 128),), ((32, 128),)])
+    b = _ops(["aten.sum", "aten.copy_"], shapes=[((1, 128),), ((32, 128),)])
+    al = align_events(a, b)
+    assert {(p.a, p.b) for p in al.pairs} == {(0, 0), (2, 1)} and al.unmatched_a == [1, 3]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.permutations(range(4)), st.integers(0, 3))
+def test_same_name_ops_in_any_order_pair_with_the_op_of_their_shape(order, extra):
+    """Distinct shapes of one op name, in any order on one side and one more copy of a shape:
+    every pair agrees on its shape, and only the extra op is left over."""
+    shapes = [((k + 1, 8),) for k in range(4)]
+    b = _ops(["aten.mm"] * 4, shapes=shapes)
+    a_shapes = [shapes[k] for k in order]
+    a_shapes.insert(extra, shapes[order[extra]])
+    a = _ops(["aten.mm"] * 5, shapes=a_shapes)
+    al = align_events(a, b)
+    assert all(a[p.a].out_shapes == b[p.b].out_shapes for p in al.pairs) and len(al.pairs) == 4
+    assert len(al.unmatched_a) == 1 and not al.unmatched_b
+
+
 def test_ops_stay_inside_their_module_call():
     # two calls of the same module: an extra op in the first call must not shift the second
     def evs(first):
