@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["COLLECTIVE_NAMESPACES", "layout", "rank_and_world", "collective", "wait_collective", "destinations",
+__all__ = ["COLLECTIVE_NAMESPACES", "layout", "rank_and_world", "process_groups", "collective", "wait_collective", "destinations",
            "local_view", "Deferred", "collective_outputs"]
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
@@ -42,6 +42,14 @@ def rank_and_world() -> Tuple[int, int]:
     if _initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def process_groups() -> List[Any]:
+    """Every process group of this process (the Python objects), empty when not distributed."""
+    if not _initialized():
+        return []
+    from torch.distributed import distributed_c10d as c10d
+    return list(c10d._world.pg_map)
 
 
 def layout() -> Dict[str, Any]:

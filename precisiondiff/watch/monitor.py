@@ -37,7 +37,7 @@ from torch import nn
 from ..capture.closure import after_closure
 from ..capture.dispatch import in_backward
 from ..capture.filters import parse_selection
-from ..capture.distributed import rank_and_world
+from ..capture.distributed import process_groups, rank_and_world
 from ..capture.serialize import flatten_tensors
 from ..capture.stats import StatsBatch, copy_to_host
 from ..errors import PrecisionDiffError
@@ -210,6 +210,8 @@ class Watch:
         self._declared: set = set()  # (parameter, quantity) pairs whose dtype the log has
         self._early_notes: List[str] = []  # notes waiting for the log to open
         self._closed = False
+        # The process groups seen, held until close: see _hold_process_groups.
+        self._groups: Dict[int, Any] = {}
         self._begin_step()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -261,6 +263,7 @@ class Watch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._groups.clear()  # the Python objects go last: their destructor releases the GIL
         try:
             self._drain(all_of_them=True)
             if self._writer is None and not self.errors:
@@ -522,9 +525,23 @@ class Watch:
             except Exception as err:  # noqa: BLE001
                 self._fail(err)
         self.step_index += 1
+        self._hold_process_groups()
         self._begin_step()
         if self._replay is not None and not self.global_hooks:
             self._replay_safely(self._replay_at_step_end)
+
+    def _hold_process_groups(self) -> None:
+        """Keep a reference to every process group until :meth:`close`, so that the last one to go
+        is the Python object, whose destructor releases the GIL while gloo's threads are joined.
+        Otherwise, after ``destroy_process_group()``, a DDP Reducer's destructor can drop the last
+        reference while holding the GIL, and a gloo thread that still has to free a finished
+        all-reduce's Python object (its thread-local state) then waits for the GIL for ever: the
+        exit deadlock of docs/watch.md, "A gloo DDP job's exit"."""
+        try:
+            for pg in process_groups():
+                self._groups.setdefault(id(pg), pg)
+        except Exception:  # noqa: BLE001  (never into the training loop; the hold is an aid only)
+            pass
 
     # -- replay window (replay.py says where it may open and close) -----------------------------
     def _quiet(self) -> Any:

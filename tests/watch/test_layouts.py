@@ -64,7 +64,8 @@ EXIT_WAIT_S = 240  # a run takes 10-60 s here under load
 
 def _ddp(out, *args):
     """Run train_ddp.py under torchrun and watch. A job whose every rank's log holds its 4 steps but
-    which has not exited after 240 s is the known gloo exit deadlock (docs/watch.md, "Known issue"):
+    which has not exited after 240 s is the gloo exit deadlock watch now avoids (docs/watch.md, "A gloo
+    DDP job's exit"), should it come back:
     its processes are killed (a note on stderr) and the logs are judged; any other hang fails."""
     # --standalone: a rendezvous on a free local port (other jobs on this machine use ports too);
     # gloo on the loopback interface. Output to files, not pipes: a hung rank would hold a pipe open.
@@ -83,7 +84,7 @@ def _ddp(out, *args):
             from precisiondiff.watch import read_logs
             steps = {r: [s["step"] for s in lg.steps] for r, lg in read_logs(out).items()}
             assert steps == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}, f"the job hung before its end: {steps}"
-            print("train_ddp.py hung at exit after its 4 steps: the known gloo exit deadlock (docs/watch.md)",
+            print("train_ddp.py hung at exit after its 4 steps: the gloo exit deadlock came back (docs/watch.md)",
                   file=sys.stderr)
             code = 0
         stdout.seek(0)

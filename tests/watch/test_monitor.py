@@ -124,3 +124,31 @@ def test_each_rank_of_a_job_writes_its_own_log(tmp_path, monkeypatch):
     logs = read_logs(tmp_path)
     assert list(logs) == [1] and logs[1].path == str(tmp_path / "rank1" / "watch.jsonl")
     assert (logs[1].header["rank"], logs[1].header["world_size"]) == (1, 2)
+
+
+def test_the_process_groups_outlive_the_run_until_the_watch_closes(tmp_path):
+    """The Python process group is the last reference to go (at close), not a DDP Reducer's C++ one
+    released with the GIL held: the gloo exit deadlock of docs/watch.md."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = weakref.ref(dist.group.WORLD)
+        model, _, tokens = train.build()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        with precisiondiff.watch(tmp_path / "w", model=ddp, optimizer=opt) as w:
+            for _ in range(2):
+                w.step(loss=train.train_step(ddp, opt, tokens))
+            dist.destroy_process_group()
+            del ddp, opt
+            gc.collect()
+            assert group() is not None  # held by the watch alone
+        gc.collect()
+        assert group() is None
+        assert [r["step"] for r in read_logs(tmp_path / "w")[0].steps] == [0, 1]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

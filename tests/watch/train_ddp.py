@@ -29,11 +29,8 @@ def main() -> None:
     for step in range(args.steps):
         train.BROKEN["on"] = args.broken_from is not None and step >= args.broken_from
         train.train_step(ddp, opt, tokens[rank * share:(rank + 1) * share])
-    # Every rank's last gradient all-reduce released before the group goes: without it, under load,
-    # a watched job deadlocked at exit about 1 run in 8 (docs/watch.md, "Known issue: a gloo DDP job's
-    # exit"): the Reducer's destructor joins gloo's run loop holding the GIL while that thread frees a
-    # finished all-reduce whose thread-local state holds a Python object and needs the GIL.
-    dist.barrier()
+    # No dist.barrier() first: a watched job must also end when the script does not wait for its
+    # last all-reduces (docs/watch.md, "A gloo DDP job's exit").
     dist.destroy_process_group()
 
 
