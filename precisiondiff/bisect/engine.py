@@ -22,7 +22,8 @@ from .references import reference_for
 from .reuse import ReplayedOps, RoundedOps
 from .search import Finding, Judgement, Search, Unit
 
-__all__ = ["EngineInput", "EngineOutput", "OpResult", "run_search", "judge_op_unit", "replay_bytes",
+__all__ = ["EngineInput", "EngineOutput", "OpResult", "ModuleResult", "ModuleContext", "run_search", "judge_op_unit",
+           "judge_module_unit", "forward_module_calls", "replay_bytes",
            "DEFAULT_MAX_REPLAY_BYTES", "random_outputs_of", "random_outputs_in_order", "DATA_MOVEMENT_OPS"]
 
 log = logging.getLogger(__name__)
@@ -204,12 +205,7 @@ def run_search(inp: EngineInput) -> EngineOutput:
     parents = _parents(events)
     units = [Unit(e.seq, e.kind, e.direction, parents[e.seq]) for e in events]
     search = Search(units, max_candidates=inp.max_candidates, judge_after_culprit=inp.judge_after_culprit)
-    forward_calls: Dict[Tuple[str, str], List[UnitEvent]] = {}
-    for e in inp.events:
-        if e.kind == "module" and e.direction == "forward":
-            forward_calls.setdefault((e.scope, e.name), []).append(e)
-    for calls in forward_calls.values():
-        calls.sort(key=lambda e: e.call)
+    forward_calls = forward_module_calls(inp.events)
     counter: Dict[str, int] = {"ops": 0}
     rounded = RoundedOps(inp.ref_device, inp.ref_dtype, inp.dut_dtype) if inp.module_of is not None else None
     pair = _top_level_pairs(events, parents, forward_calls)
@@ -222,6 +218,10 @@ def run_search(inp: EngineInput) -> EngineOutput:
     done = 0
     explained: set = set()  # modules around an accepted op
     ahead: Dict[int, OpResult] = {}  # ops judged ahead by the op pool, not yet consumed
+    ahead_modules: Dict[int, ModuleResult] = {}  # the same for module units
+    # top-level forward+backward pairs share one replay on this process (``shared``): not pooled
+    local_only = set(pair) | {b.seq for b in pair.values()}
+    pool_modules = getattr(inp.op_pool, "judge_modules", None) is not None and inp.module_of is not None
     block_wise: List[str] = []
     while (uid := search.next_query()) is not None:
         ev = by_seq[uid]
@@ -251,9 +251,28 @@ def run_search(inp: EngineInput) -> EngineOutput:
                     holding.setdefault(parents[uid], []).append(uid)
         else:
             held = [by_seq[u] for u in holding.get(uid, [])]
-            judgement, detail = _judge_module(ev, inp, counter, set(unreplayable), forward_calls, held,
-                                              bwd=pair[uid] if uid in pair and search.will_judge(pair[uid].seq) else None,
-                                              shared=shared, rounded=rounded)
+            pooled = None
+            if pool_modules and uid not in local_only:
+                if uid not in ahead_modules:
+                    window = [u for u in search.upcoming_modules(inp.op_pool.workers * MODULES_AHEAD_PER_WORKER)
+                              if u not in local_only]
+                    context = ModuleContext(inp, frozenset(unreplayable), forward_calls, rounded)
+                    ahead_modules.update(inp.op_pool.judge_modules(
+                        [(by_seq[u], tuple(holding.get(u, []))) for u in window], context))
+                pooled = ahead_modules.pop(uid, None)
+                # judged on what is known now: the same unreplayable ops and the same held ones
+                if pooled is not None and (pooled[0] != tuple(holding.get(uid, []))
+                                           or pooled[1] != len(unreplayable)):
+                    pooled = None
+            if pooled is not None:
+                judgement, detail, spent = pooled[2:]
+                for key, n in spent.items():
+                    counter[key] = counter.get(key, 0) + n
+            else:
+                judgement, detail = _judge_module(
+                    ev, inp, counter, set(unreplayable), forward_calls, held,
+                    bwd=pair[uid] if uid in pair and search.will_judge(pair[uid].seq) else None,
+                    shared=shared, rounded=rounded)
             if not judgement.replayable and held and parents[uid] is not None:
                 holding.setdefault(parents[uid], []).extend(holding.pop(uid))
             if uid in explained and judgement.over:
@@ -299,6 +318,44 @@ def judge_op_unit(ev: UnitEvent, inp: EngineInput, rounding: bool = True) -> OpR
     probe = _RoundingProbe(inp) if rounding else None
     judgement, detail = _judge_op(ev, inp, counter, probe)
     return judgement, detail, counter, probe.n_out if probe is not None else None
+
+
+MODULES_AHEAD_PER_WORKER = 2  # module units judged ahead per worker (each replays a whole module)
+
+ModuleResult = Tuple[Tuple[int, ...], int, Judgement, dict, Dict[str, int]]
+"""A module unit judged by a pool: the held ops (seqs) and the number of unreplayable ops it was
+judged with (the search takes it only if both are still so), its judgement, detail and replays."""
+
+
+@dataclass
+class ModuleContext:
+    """What a module unit's judgement needs beyond its event, fixed once the op phase is over: the
+    step's input, the unreplayable op names, the forward calls and the op replays' roundings."""
+
+    inp: EngineInput
+    fallback: frozenset
+    forward_calls: Dict[Tuple[str, str], List[UnitEvent]]
+    rounded: Optional[RoundedOps]
+
+
+def forward_module_calls(events: Sequence[UnitEvent]) -> Dict[Tuple[str, str], List[UnitEvent]]:
+    """``(scope, name) -> `` the forward calls of that module, in call order."""
+    calls: Dict[Tuple[str, str], List[UnitEvent]] = {}
+    for e in events:
+        if e.kind == "module" and e.direction == "forward":
+            calls.setdefault((e.scope, e.name), []).append(e)
+    for c in calls.values():
+        c.sort(key=lambda e: e.call)
+    return calls
+
+
+def judge_module_unit(ev: UnitEvent, held: Sequence[UnitEvent], ctx: ModuleContext) -> Tuple[Judgement, dict, Dict[str, int]]:
+    """Judge one module call as the search does (a replay worker's unit of work; not a top-level
+    forward+backward pair, which shares its replay): the judgement, its detail and its replays."""
+    counter: Dict[str, int] = {"ops": 0}
+    judgement, detail = _judge_module(ev, ctx.inp, counter, set(ctx.fallback), ctx.forward_calls, held,
+                                      rounded=ctx.rounded)
+    return judgement, detail, counter
 
 
 def replay_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -30,7 +30,7 @@ from .substitute import final_errors
 from .training import mark_steps, search_steps
 from ..compare.unwrap import wrapper_prefix
 
-__all__ = ["bisect_dump", "bisect_dump_distributed", "events_from_dump"]
+__all__ = ["bisect_dump", "bisect_dump_distributed", "events_from_dump", "workload_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _op_pool(inp: EngineInput, dump_path: Any, workers: int, distributed: bool, 
                           "given as path/file.py:fn or package.module:fn (a multi-rank dump is shared out by rank)")
     classes = {sc: type(m).__name__ for sc, m in modules.items()}
     return LocalPool(workers, os.fspath(dump_path), inp, classes, events_of=events_from_dump, workload=workload,
-                     rounding=bool(modules))
+                     rounding=bool(modules), modules_of=workload_modules if modules else None)
 
 
 def _open(path: Any, what: str) -> Any:
@@ -137,6 +137,36 @@ def _nested(model: torch.nn.Module, prefix: str) -> torch.nn.Module:
     return model
 
 
+def _workload_for(workload: Any, meta: Dict[str, Any], events: List[UnitEvent], dut_dump: Any) -> Any:
+    """The workload (its seed from the dump) whose model holds every module the dump recorded, under
+    the dump's wrapper prefix (DeepSpeed's, DDP's ``module.``) when the bare model is given; and
+    that prefix.
+
+    Raises:
+        BisectError: a recorded module is not in the model.
+    """
+    from ..runtime.workload import load_workload
+    wl = load_workload(workload, seed=int(meta.get("seed") or 0))
+    modules = dict(wl.model.named_modules())
+    recorded = {e.scope for e in events if e.kind == "module"}
+    prefix = wrapper_prefix(sorted(recorded), list(modules))
+    if prefix:  # a dump captured through an engine's wrapper (DeepSpeed, DDP), the bare model given
+        wl.model = _nested(wl.model, prefix)
+        modules = dict(wl.model.named_modules())
+    missing = sorted(s for s in recorded if s not in modules)
+    if missing:
+        raise BisectError(f"the workload's model has no module {missing[0]!r} recorded in {dut_dump}: "
+                          "pass the --workload the dump was captured from")
+    return wl, prefix
+
+
+def workload_modules(workload: Any, meta: Dict[str, Any], events: List[UnitEvent]) -> Dict[str, torch.nn.Module]:
+    """The workload's modules by scope, as a bisect of the dump with ``meta`` and ``events`` replays
+    them (a replay worker's, bisect/workers.py)."""
+    first = [e for e in events if e.step == events[0].step] if events else events
+    return dict(_workload_for(workload, meta, first, "the dump")[0].model.named_modules())
+
+
 def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *, ref: "str | Target" = "cpu/float64",
                 workload: "str | Callable[[], Any] | None" = None, direction: Optional[str] = None,
                 budgets: Any = None, progress: Optional[Callable[[int, int, str], None]] = None,
@@ -194,7 +224,6 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     Example:
         >>> r = bisect_dump("runs/mlu", workload="examples/tiny_transformer.py:build_with_bug")  # doctest: +SKIP
     """
-    from ..runtime.workload import load_workload
     from .cost import cost_figures, step_cost
     from .live import check_options, known_accepts_of, peer_of, rule_of, run_reference, self_peer_notes
     overrides = check_options(direction, budgets)
@@ -227,19 +256,11 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     modules: Dict[str, torch.nn.Module] = {}
     wl = None
     if workload is not None:
-        wl = load_workload(workload, seed=int(meta.get("seed") or 0))
+        wl, prefix = _workload_for(workload, meta, events, dut_dump)
         modules = dict(wl.model.named_modules())
-        recorded = {e.scope for e in events if e.kind == "module"}
-        prefix = wrapper_prefix(sorted(recorded), list(modules))
-        if prefix:  # a dump captured through an engine's wrapper (DeepSpeed, DDP), the bare model given
-            wl.model = _nested(wl.model, prefix)
-            modules = dict(wl.model.named_modules())
+        if prefix:
             notes.append(f"the workload's model is replayed under the dump's wrapper prefix '{prefix}.' "
                          "(the wrapper's own module is a pass-through)")
-        missing = sorted(s for s in recorded if s not in modules)
-        if missing:
-            raise BisectError(f"the workload's model has no module {missing[0]!r} recorded in {dut_dump}: "
-                              "pass the --workload the dump was captured from")
     else:
         notes.append("modules not replayed (no --workload): ops are judged from the dump alone")
 
@@ -308,7 +329,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if out.block_wise:
         cost["block_wise"] = {"max_replay_bytes": max_replay_bytes, "not_replayed_whole": out.block_wise}
     if pool is not None:
-        cost["workers"] = {"n": pool.workers, "kind": type(pool).__name__,
+        cost["workers"] = {"n": pool.workers, "kind": type(pool).__name__, "module_units": pool.modules_sent,
                            **({"peak_rss": pool.peak_rss()} if hasattr(pool, "peak_rss") else {})}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
                       notes=notes, input_check=evidence)

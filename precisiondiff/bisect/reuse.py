@@ -107,6 +107,19 @@ class RoundedOps:
         self._by_key.setdefault(key, []).append((ev, n_out))
         return True
 
+    def export(self) -> Dict[Key, List[Tuple[int, int, int]]]:
+        """What is registered, by ``(step, seq, n_out)`` of each call: a replay worker holding
+        the same events rebuilds it with :meth:`imported` (bisect/workers.py)."""
+        return {key: [(ev.step, ev.seq, n) for ev, n in calls] for key, calls in self._by_key.items()}
+
+    def imported(self, exported: Dict[Key, List[Tuple[int, int, int]]],
+                 events: Dict[Tuple[int, int], UnitEvent]) -> "RoundedOps":
+        """This registry with ``exported`` (another process's :meth:`export`) in it, in its order;
+        ``events``: ``(step, seq) -> event``."""
+        self._by_key = {key: [(events[(step, seq)], n) for step, seq, n in calls]
+                        for key, calls in exported.items()}
+        return self
+
     def _args(self, ev: UnitEvent, upcast: bool = True) -> Optional[List[Any]]:
         if not ev.args or not ev.args.get("replayable", False):
             return None

@@ -170,6 +170,15 @@ class Search:
         pool judges them ahead, in parallel: bisect/workers.py); empty once the op phase is over."""
         return [] if self._ops_done() else self._ops[self._op_pos:self._op_pos + n]
 
+    def upcoming_modules(self, n: int) -> List[int]:
+        """The next ``n`` module units the module phase would isolate as far as known now (the
+        queue, in order, without the moot and covered ones); a replay pool judges them ahead.
+        Empty while the op phase goes on."""
+        if not self._ops_done():
+            return []
+        queue = sorted(self._queue, key=lambda uid: _order_key(self.units[uid]))
+        return [uid for uid in queue if self.will_judge(uid)][:n]
+
     def will_judge(self, uid: int) -> bool:
         """Whether the module ``uid`` (once queued) is isolated, as far as known now."""
         return not self.moot(uid) and not self._holds_first_offender(uid)

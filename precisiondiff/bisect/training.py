@@ -52,7 +52,8 @@ def _merge(outs: List[EngineOutput]) -> EngineOutput:
                       queries=sum(o.finding.queries for o in outs))
     return EngineOutput(finding, units, details, sum(o.replayed_ops for o in outs),
                         max(o.forward_ops for o in outs), unreplayable, breakdown=breakdown,
-                        skipped=[u for o in outs for u in o.skipped], reused_ops=sum(o.reused_ops for o in outs))
+                        skipped=[u for o in outs for u in o.skipped], reused_ops=sum(o.reused_ops for o in outs),
+                        block_wise=[m for o in outs for m in o.block_wise])
 
 
 def search_steps(events: List[UnitEvent], make_input: Callable[[List[UnitEvent]], EngineInput]

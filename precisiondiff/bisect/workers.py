@@ -1,10 +1,14 @@
-"""Replays on many workers: the op replays of a bisect's descent judged on several processes.
+"""Replays on many workers: the op and module replays of a bisect's descent judged on several processes.
 
 The float64 op replays are independent per op call, so the search (:func:`~precisiondiff.bisect.
 engine.run_search`) asks an *op pool* to judge a window of the ops it will isolate next and then
 consumes the judgements in its own order, exactly as if it had judged each op itself: the
 verdict, the culprit and every figure are those of one worker (the ops judged ahead past the
-point where the search stops are dropped, and their replays are not counted).
+point where the search stops are dropped, and their replays are not counted). The module phase
+goes the same way: the modules queued next (siblings of the descent) are judged ahead, each worker
+with the workload's modules built once and the op replays' roundings (bisect/reuse.py) sent from
+the search; a top-level module's forward and backward share one replay and stay on the search's
+process.
 
 * :class:`LocalPool` (``bisect DUMP --workers N``): N processes on this host, each with the dump
   open (it reads only the ops it judges) and the workload's module imported for its custom ops;
@@ -12,8 +16,7 @@ point where the search stops are dropped, and their replays are not counted).
   the job runs the same search; process ``i`` of ``W`` judges ops ``i, i+W...`` of each window and
   the judgements are all-gathered (gloo), so every process goes on with the same ones.
 
-Module replays stay on the search's process (they reuse the op replays' roundings,
-bisect/reuse.py). Multi-rank dumps are shared out by rank instead (:mod:`.ranks`).
+Multi-rank dumps are shared out by rank instead (:mod:`.ranks`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .engine import EngineInput, OpResult, judge_op_unit
+from .engine import (EngineInput, ModuleContext, ModuleResult, OpResult, forward_module_calls, judge_module_unit,
+                     judge_op_unit, random_outputs_of)
 from .isolate import UnitEvent
 
 __all__ = ["LocalPool", "DistPool", "WINDOW_PER_WORKER", "threads_per_worker", "import_workload_module"]
@@ -42,7 +46,7 @@ def threads_per_worker(workers: int) -> int:
 def _options(inp: EngineInput, module_classes: Dict[str, str]) -> Dict[str, Any]:
     return {"dut_dtype": inp.dut_dtype, "ref_device": inp.ref_device, "ref_dtype": inp.ref_dtype,
             "overrides": inp.overrides, "peer_device": inp.peer_device, "peer_name": inp.peer_name,
-            "rule": inp.rule, "module_classes": module_classes}
+            "rule": inp.rule, "max_replay_bytes": inp.max_replay_bytes, "module_classes": module_classes}
 
 
 def import_workload_module(workload: Any) -> None:
@@ -64,21 +68,59 @@ def import_workload_module(workload: Any) -> None:
 
 
 def _init(events_of: Callable[..., List[UnitEvent]], dump_path: str, workload_module: Optional[str],
-          options: Dict[str, Any], threads: int) -> None:
+          options: Dict[str, Any], threads: int, modules_of: Optional[Callable[..., Dict[str, Any]]] = None) -> None:
     """A local worker's start: threads, the workload's custom ops, the dump's events
-    (``events_of(dump, all_steps=True)``: offline.events_from_dump)."""
+    (``events_of(dump, all_steps=True)``: offline.events_from_dump). ``modules_of(workload, meta,
+    events)`` builds the workload's modules for module units, at the first one."""
     torch.set_num_threads(threads)
     import_workload_module(workload_module)
     from ..store import load
-    events = events_of(load(dump_path), all_steps=True)
+    dump = load(dump_path)
+    events = events_of(dump, all_steps=True)
     classes = options.pop("module_classes")
     _STATE["events"] = {(e.step, e.seq): e for e in events}
-    _STATE["input"] = EngineInput(events=[], module_class_of=classes.get, **options)
+    _STATE["options"] = dict(options, module_class_of=classes.get)
+    _STATE["input"] = EngineInput(events=[], **_STATE["options"])
+    _STATE["modules"] = lambda: modules_of(workload_module, dump.meta, events) if modules_of is not None else {}
+    _STATE["steps"] = {}
 
 
 def _judge_chunk(keys: Sequence[Tuple[int, int]], rounding: bool) -> List[Tuple[Tuple[int, int], OpResult]]:
     inp = _STATE["input"]
     return [(k, judge_op_unit(_STATE["events"][k], inp, rounding)) for k in keys]
+
+
+def _step_context(step: int, fallback: frozenset, rounded: Optional[Dict[Any, Any]]) -> ModuleContext:
+    """A local worker's module context for ``step`` (its events, the modules, built once)."""
+    if callable(_STATE["modules"]):
+        _STATE["modules"] = _STATE["modules"]()
+    if step not in _STATE["steps"]:
+        from .evidence import param_grads_of
+        events = [e for (s, _), e in _STATE["events"].items() if s == step]
+        modules = _STATE["modules"]
+        inp = EngineInput(events=events, module_of=modules.get if modules else None,
+                          param_grad=param_grads_of(events), random_outputs=random_outputs_of(events),
+                          **_STATE["options"])
+        _STATE["steps"] = {step: (inp, forward_module_calls(events))}
+    inp, calls = _STATE["steps"][step]
+    registry = None
+    if rounded is not None:
+        from .reuse import RoundedOps
+        registry = RoundedOps(inp.ref_device, inp.ref_dtype, inp.dut_dtype).imported(rounded, _STATE["events"])
+    return ModuleContext(inp, fallback, calls, registry)
+
+
+def _judge_module(key: Tuple[int, int], held: Tuple[int, ...], fallback: frozenset,
+                  rounded: Optional[Dict[Any, Any]]) -> Tuple[Tuple[int, int], Any]:
+    ctx = _step_context(key[0], fallback, rounded)
+    ev = _STATE["events"][key]
+    return key, judge_module_unit(ev, [_STATE["events"][(key[0], h)] for h in held], ctx)
+
+
+def _module_results(tasks: Sequence[Tuple[UnitEvent, Tuple[int, ...]]], ctx: ModuleContext,
+                    results: Sequence[Tuple[Any, dict, Dict[str, int]]]) -> Dict[int, ModuleResult]:
+    n = len(ctx.fallback)
+    return {ev.seq: (held, n, *res) for (ev, held), res in zip(tasks, results)}
 
 
 class LocalPool:
@@ -90,18 +132,24 @@ class LocalPool:
         inp: the search's input (dtypes, devices, overrides, peer), as the workers rebuild it.
         module_classes: scope -> module class name (op budgets per module class), so that the
             workers need not build the model.
-        workload: the workload spec whose module is imported in each worker (custom ops).
+        workload: the workload spec whose module is imported in each worker (custom ops) and
+            whose modules a worker builds for module units (``modules_of``).
         rounding: whether module replays will reuse the op replays (then each result says how
             many outputs round correctly).
         events_of: ``events_of(dump, all_steps=True)``, the dump's events (a module-level function:
             it is sent to the workers by name).
+        modules_of: ``modules_of(workload, meta, events)``, the workload's modules by scope (a
+            module-level function); None: module units are judged on the search's process.
     """
 
     def __init__(self, workers: int, dump_path: str, inp: EngineInput, module_classes: Dict[str, str], *,
                  events_of: Callable[..., List[UnitEvent]], workload: Optional[str] = None,
-                 rounding: bool = True) -> None:
+                 rounding: bool = True, modules_of: Optional[Callable[..., Dict[str, Any]]] = None) -> None:
         import multiprocessing
         self.workers = workers
+        self.modules_sent = 0  # module units judged on the workers (some ahead, then dropped)
+        if modules_of is None:
+            self.judge_modules = None  # type: ignore[assignment]  (the engine then judges them itself)
         self.window = WINDOW_PER_WORKER * workers
         self.rounding = rounding
         # spawn, not fork: the parent may hold OpenMP threads and a large model
@@ -109,7 +157,7 @@ class LocalPool:
                                          initializer=_init,
                                          initargs=(events_of, os.fspath(dump_path), workload,
                                                    _options(inp, module_classes),
-                                                   threads_per_worker(workers)))
+                                                   threads_per_worker(workers), modules_of))
 
     def judge(self, events: List[UnitEvent]) -> Dict[int, OpResult]:
         """Judge ``events`` (op calls of one step) on the workers: ``{seq: OpResult}``."""
@@ -120,6 +168,16 @@ class LocalPool:
             for (_, seq), res in part:
                 out[seq] = res
         return out
+
+    def judge_modules(self, tasks: Sequence[Tuple[UnitEvent, Tuple[int, ...]]],
+                      ctx: ModuleContext) -> Dict[int, ModuleResult]:
+        """Judge module units ``(event, held op seqs)`` of one step on the workers, with the
+        search's unreplayable ops and op roundings (``ctx``): ``{seq: ModuleResult}``."""
+        rounded = ctx.rounded.export() if ctx.rounded is not None else None
+        self.modules_sent += len(tasks)
+        futures = [self._pool.submit(_judge_module, (ev.step, ev.seq), held, ctx.fallback, rounded)
+                   for ev, held in tasks]
+        return _module_results(tasks, ctx, [f.result()[1] for f in futures])
 
     def peak_rss(self) -> Optional[int]:
         """The largest peak RSS of a finished worker (bytes; after :meth:`close`)."""
@@ -148,6 +206,7 @@ class DistPool:
         self.rank, self.workers = dist.get_rank(group), dist.get_world_size(group)
         self.window = WINDOW_PER_WORKER * self.workers
         self.inp, self.rounding = inp, rounding
+        self.modules_sent = 0
 
     def judge(self, events: List[UnitEvent]) -> Dict[int, OpResult]:
         """Judge this process's share of ``events`` and gather everyone's: ``{seq: OpResult}``."""
@@ -156,6 +215,22 @@ class DistPool:
         gathered: List[Any] = [None] * self.workers
         self._dist.all_gather_object(gathered, mine, group=self.group)
         return {seq: res for part in gathered for seq, res in part}
+
+    def judge_modules(self, tasks: Sequence[Tuple[UnitEvent, Tuple[int, ...]]],
+                      ctx: ModuleContext) -> Dict[int, ModuleResult]:
+        """Judge this process's share of the module units and gather everyone's (every process
+        has the modules and the same op roundings: it registered every op's result)."""
+        self.modules_sent += len(tasks)
+        by_seq = {e.seq: e for e in ctx.inp.events}
+        mine = [(i, judge_module_unit(ev, [by_seq[h] for h in held], ctx))
+                for i, (ev, held) in enumerate(tasks) if i % self.workers == self.rank]
+        gathered: List[Any] = [None] * self.workers
+        self._dist.all_gather_object(gathered, mine, group=self.group)
+        results: List[Any] = [None] * len(tasks)
+        for part in gathered:
+            for i, res in part:
+                results[i] = res
+        return _module_results(tasks, ctx, results)
 
     def close(self) -> None:
         """Nothing to stop: the job's processes are torchrun's."""

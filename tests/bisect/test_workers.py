@@ -1,5 +1,5 @@
 """Replays on many workers (bisect/workers.py): ``--workers N`` (a process pool on this host) and
-``torchrun ... bisect DUMP`` judge the op replays of the descent on several processes and give the
+``torchrun ... bisect DUMP`` judge the op and module replays of the descent on several processes and give the
 result of one worker, figure for figure; a multi-rank dump is shared out by rank. 2 workers, gloo
 on 127.0.0.1."""
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tests.conftest import ROOT, pd_cli
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 
 PLANTED = "tests/bisect/planted_blocks.py:planted_workload"
+CLEAN = "tests/bisect/planted_blocks.py:clean_workload"
 TIMINGS = ("wall_s", "search_s", "workers")  # what may differ between runs
 
 
@@ -54,7 +55,33 @@ def test_two_local_workers_give_the_result_of_one(dump, one_worker):
     assert one_worker["verdict"] == "kernel"
     assert one_worker["culprit"]["name"] == "pdblocks.acc_linear.default"
     assert two.cost["workers"]["n"] == 2 and "workers" not in one_worker["cost"]
+    assert two.cost["workers"]["module_units"] > 0  # the module phase went to the workers too
     assert json.dumps(_figures(two.to_json()), sort_keys=True) == json.dumps(_figures(one_worker), sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def clean_dump(tmp_path_factory):
+    path = tmp_path_factory.mktemp("workers") / "clean"
+    capture_workload(CLEAN, path, target="cpu/bf16", mode="replay")
+    return str(path)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["clean", "planted"])
+def test_the_block_wise_module_phase_on_two_workers_gives_the_result_of_one(planted, dump, clean_dump):
+    """Block-wise (the root over the replay limit), every block the descent judges goes to the
+    workers, with the same figures as when the search's process judges it."""
+    from precisiondiff.bisect.engine import replay_bytes
+    from tests.bisect import planted_blocks
+    limit = max(replay_bytes(m, torch.float64) for m in planted_blocks.clean_workload().model.children())
+    path, workload = (dump, PLANTED) if planted else (clean_dump, CLEAN)
+    one = bisect_dump(path, workload=workload, max_replay_bytes=limit).to_json()
+    two = bisect_dump(path, workload=workload, max_replay_bytes=limit, workers=2)
+    if planted:  # the root holds the planted op: never judged
+        assert one["verdict"] == "kernel"
+    else:
+        assert one["verdict"] in ("parity", "accumulated") and one["cost"]["block_wise"]["not_replayed_whole"]
+    assert two.cost["workers"]["module_units"] > 0
+    assert json.dumps(_figures(two.to_json()), sort_keys=True) == json.dumps(_figures(one), sort_keys=True)
 
 
 def test_torchrun_processes_share_the_replays_and_process_0_reports_the_result_of_one(dump, one_worker, tmp_path):
@@ -64,7 +91,8 @@ def test_torchrun_processes_share_the_replays_and_process_0_reports_the_result_o
                     "-o", str(out), port=free_port())
     assert run.returncode == 1, run.stderr[-2000:]  # the verdict's code: a culprit
     got = json.loads(out.read_text())
-    assert got["cost"]["workers"] == {"n": 2, "kind": "DistPool"}
+    assert {k: v for k, v in got["cost"]["workers"].items() if k != "module_units"} == {"n": 2, "kind": "DistPool"}
+    assert got["cost"]["workers"]["module_units"] > 0
     assert json.dumps(_figures(got), sort_keys=True) == json.dumps(_figures(one_worker), sort_keys=True)
 
 
