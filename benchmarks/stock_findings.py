@@ -139,6 +139,25 @@ def addbmm_bf16() -> None:
     print(f"  addbmm(bf16) equals a running sum rounded to bf16 after every batch: {sum(same)} of {len(same)} seeds")
 
 
+def conv_backward_bf16() -> None:
+    """The bf16 3x3 convolution's backward (32 -> 32 channels, 2 x 8 x 8): without oneDNN bf16 (no
+    AVX-512), is grad_input the bf16 col2im of bf16-rounded columns?"""
+    gen = torch.Generator().manual_seed(0)
+    x, g = (torch.randn(2, 32, 8, 8, generator=gen).bfloat16() for _ in range(2))
+    w = (torch.randn(32, 32, 3, 3, generator=gen) * 0.1).bfloat16()
+
+    def grads(dt):
+        xx, ww = (t.detach().clone().to(dt).requires_grad_() for t in (x, w))
+        F.conv2d(xx, ww, padding=1).backward(g.to(dt))
+        return xx.grad, ww.grad
+    (gi, gw), (gi32, gw32), (gi64, gw64) = grads(torch.bfloat16), grads(torch.float32), grads(torch.float64)
+    cols = torch.einsum("ok,bol->bkl", w.float().reshape(32, -1), g.float().reshape(2, 32, -1)).bfloat16()
+    col2im = torch.equal(F.fold(cols, (8, 8), (3, 3), padding=1), gi)
+    print(f"  conv2d backward(bf16), oneDNN bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}: grad_input rel-L2 "
+          f"{_rel(gi, gi64):.2e} vs {_rel(gi32.bfloat16(), gi64):.2e} for float32 rounded once (bf16 col2im of bf16 "
+          f"columns bit for bit: {col2im}), grad_weight {_rel(gw, gw64):.2e} vs {_rel(gw32.bfloat16(), gw64):.2e}")
+
+
 def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
     layer_norm_backward()
@@ -149,6 +168,7 @@ def main() -> None:
     soft_margin_loss_fp16()
     grid_sample_bf16()
     addbmm_bf16()
+    conv_backward_bf16()
 
 
 if __name__ == "__main__":
