@@ -242,7 +242,8 @@ def main(argv=None) -> int:
         print(f"bisect, {n} worker(s): {res['verdict']}, culprit {c.get('kind')} {c.get('name')} in "
               f"{c.get('scope')} ({c.get('direction')}); wall {run['wall_s']} s, replay phase "
               f"{cost.get('search_s')} s, peak RSS {_gib(run['peak_rss'])}"
-              + (f" (workers' peak {_gib(cost.get('workers', {}).get('peak_rss'))})" if n > 1 else ""))
+              + (f" (workers' peak {_gib(cost.get('workers', {}).get('peak_rss'))}, "
+                 f"{cost.get('workers', {}).get('module_units', 0)} module units on the workers)" if n > 1 else ""))
         print(f"  cost: {cost['steps']} steps ({cost['forward_equivalents']} forward-equivalents): "
               + ", ".join(f"{k} {v}" for k, v in cost["breakdown"].items()))
         if cost.get("block_wise"):

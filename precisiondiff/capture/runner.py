@@ -93,6 +93,10 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
     for run in range(repeat):
         path = os.path.join(out, f"run{run}") if repeat > 1 else out
         model = tgt.prepare_model(workload.model)
+        if run == repeat - 1:
+            # the target's copy is all that is run from here: the original (float32, say) would
+            # stay in host memory beside it for the whole capture
+            workload.model = None
         model.train(train or workload.train)
         inputs = tgt.prepare_inputs(workload.inputs)
         observed = None
