@@ -18,6 +18,11 @@ from hypothesis import settings  # noqa: E402
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.pop("COLUMNS", None)
     os.environ.pop("LINES", None)
+    # numba's cache is not safe to fill from two processes at once (numba#4807: a worker loading
+    # the other's half-written cache can crash; an xdist worker died so in CI on a fresh clone):
+    # each xdist worker gets its own cache directory, kept between runs under build/
+    os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "build", "numba-cache", os.environ["PYTEST_XDIST_WORKER"]))
 
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
