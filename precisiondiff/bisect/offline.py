@@ -56,8 +56,10 @@ def events_from_dump(dump: Any, *, step: Optional[int] = None, all_steps: bool =
 
 
 def _op_pool(inp: EngineInput, dump_path: Any, workers: int, distributed: bool, modules: Dict[str, Any],
-             workload: Any, prepare: Any) -> Any:
-    """The op pool of ``workers`` local processes or of the torch.distributed job, or None."""
+             workload: Any, prepare: Any, modules_on_workers: bool = False) -> Any:
+    """The op pool of ``workers`` local processes or of the torch.distributed job, or None. A job's
+    processes judge module units too (each has built the model); local workers only with
+    ``modules_on_workers`` (each then builds the workload itself)."""
     from .workers import DistPool, LocalPool
     if distributed:
         return DistPool(inp, rounding=bool(modules))
@@ -68,7 +70,7 @@ def _op_pool(inp: EngineInput, dump_path: Any, workers: int, distributed: bool, 
                           "given as path/file.py:fn or package.module:fn (a multi-rank dump is shared out by rank)")
     classes = {sc: type(m).__name__ for sc, m in modules.items()}
     return LocalPool(workers, os.fspath(dump_path), inp, classes, events_of=events_from_dump, workload=workload,
-                     rounding=bool(modules), modules_of=workload_modules if modules else None)
+                     rounding=bool(modules), modules_of=workload_modules if modules and modules_on_workers else None)
 
 
 def _open(path: Any, what: str) -> Any:
@@ -177,7 +179,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
                 max_elements: Optional[int] = None, peer: "str | Target | None" = None,
                 workers: int = 1, distributed: bool = False,
                 max_replay_bytes: Optional[int] = DEFAULT_MAX_REPLAY_BYTES,
-                rule: str = "peer", blame_known: bool = False) -> BisectResult:
+                rule: str = "peer", blame_known: bool = False, modules_on_workers: bool = False) -> BisectResult:
     """Bisect from a dump captured with ``--mode replay``.
 
     Args:
@@ -205,6 +207,9 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
             "A real peer").
         workers: judge the op replays on this many processes of this host (bisect/workers.py);
             the result is the same as with one.
+        modules_on_workers: with ``workers``, the module replays too: each worker then builds the
+            workload's model (its random init: 8 s at 100 M parameters on one core), which costs
+            more than it saves on this machine (docs/performance.md, "Scale"); off by default.
         distributed: this process is one of a torch.distributed job (``torchrun ... bisect DUMP``,
             the default group initialised): the job's processes share the op replays; every one
             returns the same result.
@@ -287,7 +292,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
             param_grad=param_grads_of(step_events), direction=direction, max_candidates=max_candidates,
             progress=progress, overrides=overrides, accept=accepts, peer_device=peer_device, peer_name=peer_name,
             max_replay_bytes=max_replay_bytes, op_pool=pool, rule=rule)
-    pool = _op_pool(make_input([]), dut_dump, workers, distributed, modules, workload, prepare)
+    pool = _op_pool(make_input([]), dut_dump, workers, distributed, modules, workload, prepare, modules_on_workers)
     t1 = time.perf_counter()
     try:
         out, steps = search_steps(every, make_input)

@@ -51,11 +51,14 @@ def _torchrun(*args: str, port: int) -> subprocess.CompletedProcess:
 
 
 def test_two_local_workers_give_the_result_of_one(dump, one_worker):
-    two = bisect_dump(dump, workload=PLANTED, workers=2)
+    two = bisect_dump(dump, workload=PLANTED, workers=2, modules_on_workers=True)
     assert one_worker["verdict"] == "kernel"
     assert one_worker["culprit"]["name"] == "pdblocks.acc_linear.default"
     assert two.cost["workers"]["n"] == 2 and "workers" not in one_worker["cost"]
     assert two.cost["workers"]["module_units"] > 0  # the module phase went to the workers too
+    ops_only = bisect_dump(dump, workload=PLANTED, workers=2)  # the default: local workers judge ops only
+    assert ops_only.cost["workers"]["module_units"] == 0
+    assert json.dumps(_figures(ops_only.to_json()), sort_keys=True) == json.dumps(_figures(one_worker), sort_keys=True)
     assert json.dumps(_figures(two.to_json()), sort_keys=True) == json.dumps(_figures(one_worker), sort_keys=True)
 
 
@@ -69,13 +72,14 @@ def clean_dump(tmp_path_factory):
 @pytest.mark.parametrize("planted", [False, True], ids=["clean", "planted"])
 def test_the_block_wise_module_phase_on_two_workers_gives_the_result_of_one(planted, dump, clean_dump):
     """Block-wise (the root over the replay limit), every block the descent judges goes to the
-    workers, with the same figures as when the search's process judges it."""
+    workers (``modules_on_workers``; a torchrun job's processes always share them), with the same
+    figures as when the search's process judges it."""
     from precisiondiff.bisect.engine import replay_bytes
     from tests.bisect import planted_blocks
     limit = max(replay_bytes(m, torch.float64) for m in planted_blocks.clean_workload().model.children())
     path, workload = (dump, PLANTED) if planted else (clean_dump, CLEAN)
     one = bisect_dump(path, workload=workload, max_replay_bytes=limit).to_json()
-    two = bisect_dump(path, workload=workload, max_replay_bytes=limit, workers=2)
+    two = bisect_dump(path, workload=workload, max_replay_bytes=limit, workers=2, modules_on_workers=True)
     if planted:  # the root holds the planted op: never judged
         assert one["verdict"] == "kernel"
     else:
