@@ -30,7 +30,8 @@ from .engine import (EngineInput, ModuleContext, ModuleResult, OpResult, forward
                      judge_op_unit, random_outputs_of)
 from .isolate import UnitEvent
 
-__all__ = ["LocalPool", "DistPool", "WINDOW_PER_WORKER", "threads_per_worker", "import_workload_module"]
+__all__ = ["LocalPool", "DistPool", "WINDOW_PER_WORKER", "threads_per_worker", "import_workload_module",
+           "warm_kernels"]
 
 WINDOW_PER_WORKER = 32  # ops judged ahead per worker: enough to balance large and small ops
 CHUNK = 4  # ops per task sent to a local worker
@@ -41,6 +42,20 @@ _STATE: Dict[str, Any] = {}  # a local worker's dump, events and options
 def threads_per_worker(workers: int) -> int:
     """Intra-op threads of each of ``workers`` processes on this host: the cores shared out."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def warm_kernels() -> None:
+    """Compile (or load from numba's cache) the compare tile's kernels in this process, before
+    workers start: N workers meeting a cold cache would each compile them and fill one cache at
+    once, which numba does not make safe (numba#4807: a process loading another's half-written
+    cache can crash). Never raises: without numba there is nothing to warm."""
+    try:
+        from ..comparators.metrics import compare_tensors
+        expected = torch.linspace(-1.0, 1.0, 4096, dtype=torch.float64)
+        for dtype in (torch.bfloat16, torch.float32):
+            compare_tensors((expected * 1.001).to(dtype), expected)
+    except Exception:  # noqa: BLE001 - a warm-up only
+        pass
 
 
 def _options(inp: EngineInput, module_classes: Dict[str, str]) -> Dict[str, Any]:
@@ -152,6 +167,7 @@ class LocalPool:
             self.judge_modules = None  # type: ignore[assignment]  (the engine then judges them itself)
         self.window = WINDOW_PER_WORKER * workers
         self.rounding = rounding
+        warm_kernels()
         # spawn, not fork: the parent may hold OpenMP threads and a large model
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_init,

@@ -141,3 +141,15 @@ def test_the_peer_rule_gives_the_same_figures_whatever_the_thread_count():
         torch.set_num_threads(before)
     assert "rmse_z" in seen[0]  # the paired RMSE test ran: its mean and sd are long sums
     assert seen[0] == seen[1] == seen[2]
+
+
+def test_the_compare_kernels_are_compiled_before_local_workers_start():
+    """Two workers meeting a cold numba cache would fill it at once (numba#4807): the pool's
+    parent compiles (or loads) both of the tile's specializations first."""
+    pytest.importorskip("numba")
+    from precisiondiff.bisect.workers import warm_kernels
+    from precisiondiff.comparators import tiles_kernel
+    if not tiles_kernel.AVAILABLE:
+        pytest.skip("numba disabled")
+    warm_kernels()
+    assert len(tiles_kernel._kernels()._tiles.signatures) >= 2  # bf16 and float32 actuals
