@@ -5,10 +5,11 @@ engine.run_search`) asks an *op pool* to judge a window of the ops it will isola
 consumes the judgements in its own order, exactly as if it had judged each op itself: the
 verdict, the culprit and every figure are those of one worker (the ops judged ahead past the
 point where the search stops are dropped, and their replays are not counted). The module phase
-goes the same way: the modules queued next (siblings of the descent) are judged ahead, each worker
-with the workload's modules built once and the op replays' roundings (bisect/reuse.py) sent from
-the search; a top-level module's forward and backward share one replay and stay on the search's
-process.
+can go the same way: the modules queued next (siblings of the descent) are judged ahead with the
+op replays' roundings (bisect/reuse.py) sent from the search; a torchrun job's processes always
+(each has built the model), local workers only with ``modules_on_workers`` (each then builds the
+workload's model once, which costs more than it saves on small hosts); a top-level module's
+forward and backward share one replay and stay on the search's process.
 
 * :class:`LocalPool` (``bisect DUMP --workers N``): N processes on this host, each with the dump
   open (it reads only the ops it judges) and the workload's module imported for its custom ops;

@@ -1,6 +1,7 @@
 """Capture a workload or a script on a target: what ``precisiondiff capture`` runs."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any, List, Optional
@@ -95,8 +96,9 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         model = tgt.prepare_model(workload.model)
         if run == repeat - 1:
             # the target's copy is all that is run from here: the original (float32, say) would
-            # stay in host memory beside it for the whole capture
-            workload.model = None
+            # stay in host memory beside it for the whole capture. A copy of the workload without
+            # it, not a change to the caller's object (a ready Workload is used as it is given).
+            workload = dataclasses.replace(workload, model=None)
         model.train(train or workload.train)
         inputs = tgt.prepare_inputs(workload.inputs)
         observed = None

@@ -61,3 +61,14 @@ def test_a_step_changed_under_capture_is_reported_with_its_size(tmp_path):
     assert "differs from the same step without capture" in ls.stdout
     c = compare(tmp_path / "d", tmp_path / "d")
     assert any("without capture" in n for n in c.notes)
+
+
+def test_a_ready_workload_keeps_its_model_after_capture(tmp_path):
+    """Capture frees its own reference to the original model, never the caller's object."""
+    import torch
+
+    from precisiondiff import Workload
+    model = torch.nn.Linear(4, 2)
+    wl = Workload(model, torch.randn(3, 4), loss=lambda y: y.sum())
+    capture_workload(wl, tmp_path / "d", target="cpu/bf16", mode="stats")
+    assert wl.model is model and model.weight.dtype == torch.float32
