@@ -140,9 +140,21 @@ except ImportError:  # pragma: no cover - an older PyTorch: its HOPs run eagerly
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 try:  # what torch._disable_dynamo around __torch_dispatch__ does, without its Python wrapper
     from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-    from torch._dynamo.eval_frame import skip_code as _skip_code
 except ImportError:  # pragma: no cover - a PyTorch without dynamo: TorchDispatchMode's own wrapper
-    _set_eval_frame = _skip_code = None
+    _set_eval_frame = None
+
+
+def _skip_code(code: Any) -> None:
+    """Dynamo's ``skip_code``, through its C module: importing ``torch._dynamo`` costs ~2 s, which
+    every ``precisiondiff`` command would pay at start-up (the strategy lives on the code object,
+    so it holds for a Dynamo imported later)."""
+    try:
+        from torch._C._dynamo import eval_frame as frames
+        frames.set_code_exec_strategy(code, frames._FrameExecStrategy(frames._FrameAction.SKIP,
+                                                                     frames._FrameAction.DEFAULT))
+    except (ImportError, AttributeError):  # pragma: no cover - an older PyTorch: its Python helper
+        from torch._dynamo.eval_frame import skip_code
+        skip_code(code)
 _set_grad_enabled = torch._C._set_grad_enabled
 _is_grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor

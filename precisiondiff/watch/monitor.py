@@ -44,7 +44,7 @@ from ..errors import PrecisionDiffError
 from .log import FIELDS, LOG_FILE, LogWriter
 from .replay import ReplayWindow
 from .shards import shard_fields
-from .tensors import _norms, unwrapped
+from .tensors import _norms, snapshot, unwrapped, update_norms
 from .trigger import Triggers
 from .zero import zero_after, zero_before, zero_shape, zero_shards
 
@@ -468,7 +468,7 @@ class Watch:
         self._grad_norms(params)
         if self._params_full:
             with torch.no_grad():
-                self._before[id(optimizer)] = [p.detach().clone() for _, p in params]
+                self._before[id(optimizer)] = snapshot([p for _, p in params])
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._on:
@@ -483,15 +483,16 @@ class Watch:
                     return
                 params = self._param_list(optimizer)
                 tensors = [p for _, p in params]
-                weights = _norms(tensors)
-                self._scalars([(n, "weight") for n, _ in params], weights, tensors)
                 before = self._before.pop(id(optimizer), None)
                 if before is not None and len(before) == len(params):
-                    torch._foreach_sub_(before, [p.detach() for p in tensors])  # in place: no new memory
-                    # one multi-tensor division: ‖w_after − w_before‖ / ‖w_after‖
-                    self._scalars([(n, "update_ratio") for n, _ in params], torch._foreach_div(_norms(before), weights),
-                                  tensors)
+                    # ‖w_after‖ and ‖w_after − w_before‖ in one pass over both (tensors.update_norms)
+                    weights, updates = update_norms(tensors, before)
                     del before
+                    self._scalars([(n, "weight") for n, _ in params], weights, tensors)
+                    self._scalars([(n, "update_ratio") for n, _ in params], torch._foreach_div(updates, weights),
+                                  tensors)
+                else:
+                    self._scalars([(n, "weight") for n, _ in params], _norms(tensors), tensors)
                 self._state_norms(optimizer, params)
             self._params_done = True
         except Exception as err:  # noqa: BLE001

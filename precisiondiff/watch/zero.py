@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..capture.deepspeed import Fragment, zero_fragments
-from .tensors import _norms, unwrapped
+from .tensors import _norms, snapshot, unwrapped, update_norms
 
 __all__ = ["zero_before", "zero_after", "zero_shards", "zero_shape", "ZERO_PLACEMENT"]
 
@@ -76,7 +76,7 @@ def zero_before(w: Any, optimizer: Any) -> bool:
         w._scalars([(name, "grad") for name, _ in grads], _norms([g for _, g in grads]), [g for _, g in grads])
         w._grads_done.update(id(f.flat) for f in fragments)
         if w._params_full:
-            w._before[id(optimizer)] = [f.of(f.flat).detach().clone() for f in fragments]
+            w._before[id(optimizer)] = snapshot([f.of(f.flat) for f in fragments])
     return True
 
 
@@ -87,13 +87,14 @@ def zero_after(w: Any, optimizer: Any) -> bool:
     if not fragments:
         return False
     views = [f.of(f.flat) for f in fragments]
-    weights = _norms(views)
-    w._scalars([(f.name, "weight") for f in fragments], weights, views)
     before = w._before.pop(id(optimizer), None)
     if before is not None and len(before) == len(views):
-        torch._foreach_sub_(before, [v.detach() for v in views])  # in place: no new memory
-        w._scalars([(f.name, "update_ratio") for f in fragments], torch._foreach_div(_norms(before), weights), views)
+        weights, updates = update_norms(views, before)  # one pass over both (tensors.update_norms)
         del before
+        w._scalars([(f.name, "weight") for f in fragments], weights, views)
+        w._scalars([(f.name, "update_ratio") for f in fragments], torch._foreach_div(updates, weights), views)
+    else:
+        w._scalars([(f.name, "weight") for f in fragments], _norms(views), views)
     if w._params_full:
         names, tensors = [], []
         for f in fragments:
