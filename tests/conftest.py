@@ -51,10 +51,15 @@ STOCK_KERNEL_TESTS = (
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+# the longest tests, started first so that no xdist worker is left with one of them at the end
+FIRST = ("tests/test_mlu_standin.py",)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("::")[0] in STOCK_KERNEL_TESTS:
             item.add_marker(pytest.mark.stock_kernels)
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in FIRST)  # stable: the rest keep their order
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
