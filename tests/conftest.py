@@ -50,11 +50,11 @@ STOCK_KERNEL_TESTS = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 # the longest tests, started first so that no xdist worker is left with one of them at the end
 FIRST = ("tests/test_mlu_standin.py",)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("::")[0] in STOCK_KERNEL_TESTS:
