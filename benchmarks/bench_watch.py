@@ -104,6 +104,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--configs", default="default,default_full,all,all_full",
                         help="watched configurations beside the plain one")
+    parser.add_argument("--control", action="store_true",
+                        help="add a second unwatched copy (an A/A control: the side-by-side ratio it gets is the "
+                             "benchmark's own bias)")
     parser.add_argument("--json", default=None, help="also write every per-round figure to this file")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -112,7 +115,8 @@ def main() -> None:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     known = {"default": {"param_every": 10 ** 9}, "default_full": {"param_every": 1},
              "all": {"level": "all", "param_every": 10 ** 9}, "all_full": {"level": "all", "param_every": 1}}
-    configs = {"plain": None, **{name: known[name] for name in args.configs.split(",")}}
+    configs = {"plain": None, **({"control": None} if args.control else {}),
+               **{name: known[name] for name in args.configs.split(",")}}
     runs = {}
     for name in configs:
         model = copy.deepcopy(base).train()
@@ -169,6 +173,11 @@ def main() -> None:
         sizes = {name: os.path.getsize(os.path.join(tmp, name, "watch.jsonl")) for name in watches}
     plain = runs["plain"]
     rows = {}
+    if args.control:  # no watch: the ratio a watched copy would get from the benchmark alone
+        c = runs["control"]
+        rows["control"] = {"side_by_side": [a / b for a, b in zip(c["cpu"], plain["cpu"])],
+                           "side_by_side_wall": [a / b for a, b in zip(c["wall"], plain["wall"])],
+                           "own": [0.0 for _ in c["cpu"]]}
     for name in watches:
         r = runs[name]
         rows[name] = {
@@ -181,7 +190,7 @@ def main() -> None:
         if light in rows and full in rows:
             rows[amortized] = {k: [(9 * a + b) / 10 for a, b in zip(rows[light][k], rows[full][k])]
                                for k in ("side_by_side", "side_by_side_wall", "own")}
-    labels = {"default": "default, light step", "default_full": "default, full step (state, updates)",
+    labels = {"control": "control: a second unwatched copy", "default": "default, light step", "default_full": "default, full step (state, updates)",
               "all": "all modules, light step", "all_full": "all modules, full step (everything every step)",
               "default_amortized": "default, amortized (9 light : 1 full)",
               "all_amortized": "all modules, amortized (9 light : 1 full)"}

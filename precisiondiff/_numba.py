@@ -14,7 +14,7 @@ import os
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["ENABLED", "Kernels"]
+__all__ = ["ENABLED", "Kernels", "threads"]
 
 _log = logging.getLogger(__name__)
 
@@ -48,3 +48,53 @@ class Kernels:
                 self.failed = True
                 _log.warning("numba kernels %s unavailable (%s): using PyTorch", self.module, err)
         return self._loaded
+
+    def disable(self) -> None:
+        """Stop using the kernels (one failed at run time): the callers take their PyTorch path."""
+        self.failed = True
+        self._loaded = None
+
+
+_threads_ok: Optional[bool] = None  # numba's threads may run: None until first asked
+_threads_pid = 0  # the process that asked
+
+
+def threads(count: int) -> bool:
+    """Whether numba's parallel kernels may run here, and if so, set them to ``count`` threads
+    (PyTorch's intra-op count, at most numba's).
+
+    Only a threading layer that is safe to launch from several threads at once (OpenMP or TBB;
+    not numba's ``workqueue``, which aborts the process when two threads launch together: watch's
+    hooks may run on autograd's threads). When the user has chosen no layer, numba is asked for a
+    thread-safe one (``NUMBA_THREADING_LAYER=threadsafe``); without one, False. False in a child
+    forked after the threads started: GNU OpenMP cannot run there (numba stops the process)."""
+    global _threads_ok, _threads_pid
+    if _threads_pid != os.getpid():
+        if _threads_ok:
+            return False  # forked from a process whose threads ran
+        _threads_pid = os.getpid()
+        _threads_ok = None
+    if _threads_ok is None:
+        _threads_ok = False
+        try:
+            if not ENABLED:
+                raise RuntimeError("numba is not installed or disabled")
+            import numba
+            from numba.np.ufunc import parallel
+            chosen = bool(os.environ.get("NUMBA_THREADING_LAYER")) or numba.config.THREADING_LAYER != "default"
+            if not parallel._is_initialized and not chosen:
+                numba.config.THREADING_LAYER = "threadsafe"
+                try:
+                    parallel._launch_threads()
+                except Exception:  # noqa: BLE001 - neither OpenMP nor TBB: leave numba's default to the user
+                    numba.config.THREADING_LAYER = "default"
+                    raise
+            else:
+                parallel._launch_threads()
+            _threads_ok = numba.threading_layer() in ("omp", "tbb")
+        except Exception as err:  # noqa: BLE001 - no threads: the callers run their parts on one thread
+            _log.info("numba's threads unavailable (%s)", err)
+    if _threads_ok:
+        import numba
+        numba.set_num_threads(max(1, min(int(count), numba.config.NUMBA_NUM_THREADS)))
+    return bool(_threads_ok)

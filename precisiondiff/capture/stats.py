@@ -135,11 +135,16 @@ class StatsBatch:
     Args:
         small_elements: tensors up to this size are batched (eager path).
         fast: use the fused CPU kernel when available (False: always the eager path).
+        parallel: a CPU tensor of ``stats_kernel.PARTS_FROM`` elements or more is measured in
+            parts on numba's threads (:func:`~.stats_kernel.stats_in_parts`: the same minimum,
+            maximum, counts and fingerprint; the sums added part by part).
     """
 
-    def __init__(self, *, small_elements: int = SMALL_TENSOR_ELEMENTS, fast: bool = True) -> None:
+    def __init__(self, *, small_elements: int = SMALL_TENSOR_ELEMENTS, fast: bool = True,
+                 parallel: bool = False) -> None:
         self.small_elements = small_elements
         self.fast = fast and stats_kernel.AVAILABLE
+        self.parallel = parallel
         # fused-kernel rows: handle -> (row, numel), filled in place by the kernel
         self._fused: Dict[int, Tuple[int, int]] = {}
         self._out = np.empty((64, 7))
@@ -173,7 +178,10 @@ class StatsBatch:
             try:
                 # the arrays themselves, not their addresses (stats_kernel.stats_at): withdrawn while
                 # a heap corruption was traced (docs/performance.md)
-                stats_kernel.stats_into(t, self._out, self._fps, row)
+                if self.parallel and numel >= stats_kernel.PARTS_FROM:
+                    stats_kernel.stats_in_parts(t, self._out, self._fps, row)
+                else:
+                    stats_kernel.stats_into(t, self._out, self._fps, row)
             except (RuntimeError, TypeError, ValueError, NotImplementedError):
                 pass  # no NumPy view (a negative-bit view, a tensor subclass): the eager path below
             else:

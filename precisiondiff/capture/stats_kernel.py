@@ -25,7 +25,7 @@ import torch
 from .. import _numba
 from ..store.fingerprint import PERIOD, salts
 
-__all__ = ["AVAILABLE", "fused_stats", "stats_into", "stats_at", "supports"]
+__all__ = ["AVAILABLE", "fused_stats", "stats_into", "stats_at", "stats_in_parts", "supports", "PARTS_FROM"]
 
 _log = logging.getLogger(__name__)
 
@@ -33,6 +33,12 @@ _log = logging.getLogger(__name__)
 #: False after a failed import of the kernels)
 AVAILABLE = _numba.ENABLED
 _loader = _numba.Kernels(__name__.rpartition(".")[0] + "._stats_jit")
+_parts_loader = _numba.Kernels(__name__.rpartition(".")[0] + "._stats_par_jit")
+#: tensors of at least this many elements take :func:`stats_in_parts` where a caller asks for it
+#: (four of ``_stats_par_jit.PART``: below that, starting the threads costs more than they save)
+PARTS_FROM = 4 * PERIOD
+_PARTS_ENTRIES = {torch.float32: "parts_f32", torch.float64: "parts_f64", torch.bfloat16: "parts_bf16",
+                  torch.float16: "parts_f16"}
 
 
 def _kernels():
@@ -139,6 +145,40 @@ def stats_at(t: torch.Tensor, out: int, fps: int) -> bool:
     except Exception as err:  # noqa: BLE001 - as in stats_into
         _failed(err)
     return True
+
+
+def stats_in_parts(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> None:
+    """:func:`stats_into` for a large tensor, cut into parts of a fixed size (``_stats_par_jit``)
+    that run on numba's threads, as many as PyTorch's intra-op threads. The minimum, maximum,
+    counts and fingerprint are :func:`stats_into`'s; the sums are added part by part (the same
+    values on one thread or several, not always the last bits of one pass's).
+
+    Takes a plain contiguous tensor; any other goes to :func:`stats_into`. Raises as it does."""
+    if type(t) not in _PLAIN or not t.is_contiguous() or t.is_neg() or not t.data_ptr() \
+            or t.dtype not in _PARTS_ENTRIES:
+        stats_into(t, out, fps, row)
+        return
+    k = _parts_loader() if _kernels() is not None else None
+    if k is None:
+        raise RuntimeError("numba is not available")
+    from ._stats_par_jit import PART
+    n = t.numel()
+    parts = -(-n // PART)
+    part_out = np.empty((parts, 7))
+    part_fps = np.empty((parts, 2), dtype=np.int64)
+    try:
+        if _numba.threads(torch.get_num_threads()):
+            getattr(k, _PARTS_ENTRIES[t.dtype])(t.data_ptr(), n, _INFINITIES[t.dtype], _TABLE, _CUMULATIVE,
+                                               part_out, part_fps)
+        else:  # the same parts, one after another: the same results
+            flat = t.reshape(-1)
+            for i in range(parts):
+                stats_into(flat[i * PART:(i + 1) * PART], part_out, part_fps, i)
+        k.combine(part_out, part_fps, n, _CUMULATIVE, out[row], fps[row])
+    except RuntimeError:
+        raise
+    except Exception as err:  # noqa: BLE001 - as in stats_into
+        _failed(err)
 
 
 def _failed(err: Exception) -> None:

@@ -44,7 +44,7 @@ from ..errors import PrecisionDiffError
 from .log import FIELDS, LOG_FILE, LogWriter
 from .replay import ReplayWindow
 from .shards import shard_fields
-from .tensors import _norms, snapshot, unwrapped, update_norms
+from .tensors import SnapshotMemory, _norms, snapshot, unwrapped, update_norms
 from .trigger import Triggers
 from .zero import zero_after, zero_before, zero_shape, zero_shards
 
@@ -212,6 +212,8 @@ class Watch:
         self._closed = False
         # The process groups seen, held until close: see _hold_process_groups.
         self._groups: Dict[int, Any] = {}
+        # the weights' snapshots' kept CPU buffers, per optimizer (tensors.SnapshotMemory)
+        self._snapshots: Dict[int, SnapshotMemory] = {}
         self._begin_step()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -264,6 +266,9 @@ class Watch:
             handle.remove()
         self._handles.clear()
         self._groups.clear()  # the Python objects go last: their destructor releases the GIL
+        for memory in self._snapshots.values():
+            memory.release()
+        self._snapshots.clear()
         try:
             self._drain(all_of_them=True)
             if self._writer is None and not self.errors:
@@ -326,7 +331,7 @@ class Watch:
         # every param_every-th watched step only, since each is a pass over the parameters'
         # memory (docs/watch.md, "Cost"); a light step reads the gradients once
         self._params_full = self._on and (self.step_index // self.every) % self.param_every == 0
-        self._batch = StatsBatch() if self._on else None
+        self._batch = StatsBatch(parallel=True) if self._on else None
         self._keys: List[Tuple[str, int, int]] = []
         self._dtypes: Dict[str, str] = {}
         self._calls: Dict[str, int] = {}
@@ -468,7 +473,15 @@ class Watch:
         self._grad_norms(params)
         if self._params_full:
             with torch.no_grad():
-                self._before[id(optimizer)] = snapshot([p for _, p in params])
+                self._before[id(optimizer)] = snapshot([p for _, p in params], self._snapshot_memory(optimizer))
+
+    def _snapshot_memory(self, optimizer: Any) -> SnapshotMemory:
+        """The kept buffer of ``optimizer``'s weights' snapshots (one per optimizer: their steps'
+        snapshots may be held at once)."""
+        memory = self._snapshots.get(id(optimizer))
+        if memory is None:
+            memory = self._snapshots[id(optimizer)] = SnapshotMemory()
+        return memory
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._on:

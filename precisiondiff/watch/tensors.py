@@ -11,12 +11,17 @@ from torch import nn
 
 from .. import _numba
 
-__all__ = ["unwrapped", "snapshot", "update_norms"]
+__all__ = ["unwrapped", "snapshot", "update_norms", "SnapshotMemory"]
 
 _log = logging.getLogger(__name__)
 _kernels = _numba.Kernels(__name__.rpartition(".")[0] + "._norms_jit")
 _ENTRIES = {torch.float32: "update_f32", torch.float64: "update_f64", torch.bfloat16: "update_bf16",
             torch.float16: "update_f16"}
+_PARTS = {dtype: "parts" + name[len("update"):] for dtype, name in _ENTRIES.items()}
+# from this many elements a weight's sums (and from this many bytes its snapshot) go in parts on
+# numba's threads, when it has thread-safe ones (_numba.threads)
+_PARTS_FROM = 4 << 16
+_COPY_PARTS_FROM = 4 << 20
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 # framework wrappers that keep the model as .module (DDP, DeepSpeed, Megatron) or ._orig_mod
@@ -66,22 +71,79 @@ def _flat_cpu(t: torch.Tensor) -> bool:
         and t.data_ptr() != 0
 
 
-def snapshot(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Copies of ``tensors`` (their local shards) for the update ratio of :func:`update_norms`.
+class SnapshotMemory:
+    """One CPU buffer that :func:`snapshot` copies the weights into, kept from one full step to
+    the next while the watch is open.
 
-    A CPU tensor is copied by one ``memcpy`` on the calling thread: ``clone`` would run on every
-    intra-op thread, each paying for a pass that memory bandwidth bounds (docs/performance.md,
-    "Watch")."""
-    out = []
-    for t in tensors:
-        t = _local(t)
-        if _flat_cpu(t):
-            copy = torch.empty_like(t, memory_format=torch.contiguous_format)
-            ctypes.memmove(copy.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
-            out.append(copy)
-        else:
-            out.append(t.clone())
-    return out
+    Fresh memory for every snapshot costs a page fault per 4 KiB (0.13 s of a 4.6 s step for the
+    97.6M-parameter watch benchmark), and, taken from the C library's heap, it fills the free room
+    that the optimizer's temporaries would have reused, so AdamW's own step ran 0.09 s slower on
+    every full step (docs/performance.md, "Watch"). One buffer allocated once (one large block,
+    which the C library maps apart from its heap) avoids both; it holds one copy of the CPU
+    weights' memory until :meth:`release`."""
+
+    def __init__(self) -> None:
+        self._flat: Optional[torch.Tensor] = None
+
+    def views(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Contiguous views of the buffer shaped as ``tensors`` (one each, 64-byte aligned),
+        growing the buffer when they do not fit."""
+        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
+        total = sum(sizes)
+        if self._flat is None or self._flat.numel() < total:
+            self._flat = None  # the old one first: never two copies at once
+            self._flat = torch.empty(max(total, 1), dtype=torch.uint8)
+        out, offset = [], 0
+        for t, size in zip(tensors, sizes):
+            nbytes = t.numel() * t.element_size()
+            out.append(self._flat[offset:offset + nbytes].view(t.dtype).view(t.shape))
+            offset += size
+        return out
+
+    def release(self) -> None:
+        """Give the buffer back (the watch closes)."""
+        self._flat = None
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 63) // 64 * 64
+
+
+def snapshot(tensors: Sequence[torch.Tensor], memory: Optional[SnapshotMemory] = None) -> List[torch.Tensor]:
+    """Copies of ``tensors`` (their local shards) for the update ratio of :func:`update_norms`;
+    with ``memory``, the plain CPU ones are copied into its kept buffer (the others are cloned).
+
+    A CPU tensor is copied by ``memcpy`` on the calling thread (a large one in parts on numba's
+    threads, when it has thread-safe ones): ``clone`` would run on every intra-op thread, each
+    paying for a pass that memory bandwidth bounds (docs/performance.md, "Watch")."""
+    tensors = [_local(t) for t in tensors]
+    flat = [i for i, t in enumerate(tensors) if _flat_cpu(t)]
+    out: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    if memory is not None and flat:
+        for i, view in zip(flat, memory.views([tensors[i] for i in flat])):
+            out[i] = view
+    kernels = None
+    if flat and _numba.threads(torch.get_num_threads()):
+        kernels = _kernels()
+    for i, t in enumerate(tensors):
+        if not _flat_cpu(t):
+            out[i] = t.clone()
+            continue
+        copy = out[i] if out[i] is not None else torch.empty_like(t, memory_format=torch.contiguous_format)
+        nbytes = t.numel() * t.element_size()
+        copied = False
+        if kernels is not None and nbytes >= _COPY_PARTS_FROM:
+            try:
+                kernels.copy_parts(copy.data_ptr(), t.data_ptr(), nbytes)
+                copied = True
+            except Exception as err:  # noqa: BLE001 - the kernel fails to compile or run: memmove
+                _log.warning("the snapshot kernel failed (%s): using memmove", err)
+                _kernels.disable()
+                kernels = None
+        if not copied:
+            ctypes.memmove(copy.data_ptr(), t.data_ptr(), nbytes)
+        out[i] = copy
+    return out  # type: ignore[return-value]
 
 
 def update_norms(after: Sequence[torch.Tensor], before: List[torch.Tensor]
@@ -90,12 +152,14 @@ def update_norms(after: Sequence[torch.Tensor], before: List[torch.Tensor]
     optimizer's step, ``before`` their :func:`snapshot` (consumed: it may be overwritten).
 
     CPU tensors of the four floating formats take one pass of a numba kernel (float64 sums of the
-    exact values, on the calling thread); the others, or without numba, PyTorch's in-place
-    subtraction and :func:`_norms`."""
+    exact values; a large one in parts on numba's threads, added in part order, when numba has
+    thread-safe threads); the others, or without numba, PyTorch's in-place subtraction and
+    :func:`_norms`."""
     after = [_local(t) for t in after]
     weights: List[Optional[torch.Tensor]] = [None] * len(after)
     updates: List[Optional[torch.Tensor]] = [None] * len(after)
     kernels = _kernels() if any(t.device.type == "cpu" for t in after) else None
+    parts = kernels is not None and _numba.threads(torch.get_num_threads())
     fast, rest = [], []
     for i, (a, b) in enumerate(zip(after, before)):
         ok = kernels is not None and a.dtype in _ENTRIES and b.dtype == a.dtype and a.shape == b.shape \
@@ -103,11 +167,14 @@ def update_norms(after: Sequence[torch.Tensor], before: List[torch.Tensor]
         (fast if ok else rest).append(i)
     if fast:
         try:
-            sums = [getattr(kernels, _ENTRIES[after[i].dtype])(after[i].data_ptr(), before[i].data_ptr(),
-                                                               after[i].numel()) for i in fast]
+            sums = []
+            for i in fast:
+                a = after[i]
+                entry = (_PARTS if parts and a.numel() >= _PARTS_FROM else _ENTRIES)[a.dtype]
+                sums.append(getattr(kernels, entry)(a.data_ptr(), before[i].data_ptr(), a.numel()))
         except Exception as err:  # noqa: BLE001 - a kernel that fails to compile or run: PyTorch's path
             _log.warning("the update-ratio kernel failed (%s): using PyTorch", err)
-            _kernels.failed, _kernels._loaded = True, None
+            _kernels.disable()
             rest, fast = sorted(rest + fast), []
         else:
             values = torch.tensor(sums, dtype=torch.float64).sqrt_()

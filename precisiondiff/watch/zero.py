@@ -76,7 +76,7 @@ def zero_before(w: Any, optimizer: Any) -> bool:
         w._scalars([(name, "grad") for name, _ in grads], _norms([g for _, g in grads]), [g for _, g in grads])
         w._grads_done.update(id(f.flat) for f in fragments)
         if w._params_full:
-            w._before[id(optimizer)] = snapshot([f.of(f.flat) for f in fragments])
+            w._before[id(optimizer)] = snapshot([f.of(f.flat) for f in fragments], w._snapshot_memory(optimizer))
     return True
 
 

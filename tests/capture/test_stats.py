@@ -207,3 +207,36 @@ def test_a_transposed_parameter_stays_on_the_fast_path(dtype):
     assert w.requires_grad and not w.is_contiguous()
     acc, _ = stats_kernel.fused_stats(w)  # raises where the kernel cannot read the tensor
     assert (acc[0], acc[1]) == (w.min().item(), w.max().item())
+
+
+@settings(max_examples=12, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), extra=st.integers(0, 3 * 65536), seed=st.integers(0, 2**16),
+       specials=st.lists(st.tuples(st.integers(0, 10**9), st.sampled_from(SPECIALS)), max_size=4),
+       threads=st.booleans())
+def test_large_tensors_in_parts_equal_one_pass(dtype, extra, seed, specials, threads):
+    """Watch's parallel form (stats_in_parts): the fingerprint, extremes and counts of one pass,
+    the sums to float64 rounding, and the same numbers on numba's threads or one after another."""
+    from precisiondiff import _numba
+    g = torch.Generator().manual_seed(seed)
+    n = stats_kernel.PARTS_FROM + extra
+    t = (torch.randn(n, generator=g, dtype=torch.float64) * 3).to(dtype)
+    for where, value in specials:
+        t[where % n] = value
+
+    def measure(on_threads: bool) -> dict:
+        with pytest.MonkeyPatch.context() as mp:
+            if not on_threads:
+                mp.setattr(_numba, "threads", lambda count: False)
+            batch = StatsBatch(parallel=True)
+            handle = batch.add(t)
+            batch.resolve()
+            return batch.get(handle)
+
+    f = measure(threads)
+    serial, eager = _both(t)
+    _assert_same(f, serial, n)
+    _assert_same(f, eager, n)
+    assert f["fingerprint"] == serial["fingerprint"] == fingerprint(t)
+    other = measure(not threads)  # the same parts one after another, or on the threads
+    assert other.keys() == f.keys()
+    assert all(other[k] == f[k] or (math.isnan(other[k]) and math.isnan(f[k])) for k in f)

@@ -152,3 +152,16 @@ def test_the_process_groups_outlive_the_run_until_the_watch_closes(tmp_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_full_steps_copy_the_weights_into_one_kept_buffer_released_at_close(tmp_path):
+    model, opt, tokens = train.build()
+    with precisiondiff.watch(tmp_path, model=model, optimizer=opt, param_every=1) as w:
+        for _ in range(3):
+            w.step(loss=train.train_step(model, opt, tokens))
+        memory = w._snapshots[id(opt)]
+        buffer = memory._flat
+        assert buffer is not None and buffer.numel() >= sum(p.numel() * p.element_size() for p in model.parameters())
+        w.step(loss=train.train_step(model, opt, tokens))
+        assert memory._flat is buffer  # the same memory on every full step
+    assert memory._flat is None and not w._snapshots

@@ -60,3 +60,46 @@ def test_the_kernel_and_pytorchs_path_agree_on_a_mixed_list(monkeypatch):
     slow = tensors.update_norms(after, tensors.snapshot(before))
     for f, s in zip(fast[0] + fast[1], slow[0] + slow[1]):
         assert math.isclose(float(f), float(s), rel_tol=1e-2, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_weights_sum_in_parts_to_the_float64_norms(dtype):
+    """Weights of _PARTS_FROM elements or more take the parallel kernel (numba's threads)."""
+    g = torch.Generator().manual_seed(3)
+    n = tensors._PARTS_FROM * 2 + 12345
+    before = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    after = (before.double() + 1e-3 * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype)
+    (weight,), (update,) = tensors.update_norms([after], tensors.snapshot([before]))
+    want_weight, want_update = _exact(after, before)
+    rel = 1e-12 if _numba.ENABLED else (1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5)
+    assert math.isclose(float(weight), want_weight, rel_tol=rel)
+    assert math.isclose(float(update), want_update, rel_tol=rel)
+
+
+def test_kept_snapshot_memory_is_reused_and_holds_exact_copies():
+    memory = tensors.SnapshotMemory()
+    big = torch.randn(tensors._COPY_PARTS_FROM // 4 + 17)  # a copy in parts
+    ws = [torch.nn.Parameter(torch.randn(64, 8)), torch.randn(10, 3).t(), big,
+          torch.randn(5, dtype=torch.bfloat16)]
+    first = tensors.snapshot(ws, memory)
+    assert all(torch.equal(s, w) for s, w in zip(first, ws))
+    assert first[1].data_ptr() != ws[1].data_ptr()  # a strided weight: cloned, not in the buffer
+    pointers = [s.data_ptr() for s in first]
+    assert all(p % 64 == 0 for i, p in enumerate(pointers) if i != 1)
+    with torch.no_grad():
+        for w in ws:
+            w.add_(1)
+    second = tensors.snapshot(ws, memory)
+    assert all(torch.equal(s, w) for s, w in zip(second, ws))
+    assert [second[i].data_ptr() for i in (0, 2, 3)] == [pointers[i] for i in (0, 2, 3)]  # the same memory
+    grown = tensors.snapshot(ws + [torch.randn(1000)], memory)  # more weights: a larger buffer
+    assert all(torch.equal(s, w) for s, w in zip(grown, ws + [grown[-1]]))
+    memory.release()
+    assert memory._flat is None
+
+
+def test_numba_threads_are_refused_in_a_forked_child(monkeypatch):
+    """GNU OpenMP cannot run in a child forked after its threads started: numba stops the child."""
+    monkeypatch.setattr(_numba, "_threads_ok", True)
+    monkeypatch.setattr(_numba, "_threads_pid", -1)  # as a child of that process sees it
+    assert _numba.threads(2) is False
