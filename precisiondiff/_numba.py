@@ -80,7 +80,12 @@ def threads(count: int) -> bool:
             if not ENABLED:
                 raise RuntimeError("numba is not installed or disabled")
             import numba
+            import torch
             from numba.np.ufunc import parallel
+            # numba's OpenMP layer may share PyTorch's libgomp, and starting it sets that runtime's
+            # thread count to numba's (2 where torchrun set OMP_NUM_THREADS=1): PyTorch's is put
+            # back, or the watched run would reduce in another order than the unwatched one
+            torch_threads = torch.get_num_threads()
             chosen = bool(os.environ.get("NUMBA_THREADING_LAYER")) or numba.config.THREADING_LAYER != "default"
             if not parallel._is_initialized and not chosen:
                 numba.config.THREADING_LAYER = "threadsafe"
@@ -94,6 +99,9 @@ def threads(count: int) -> bool:
             _threads_ok = numba.threading_layer() in ("omp", "tbb")
         except Exception as err:  # noqa: BLE001 - no threads: the callers run their parts on one thread
             _log.info("numba's threads unavailable (%s)", err)
+        finally:
+            if "torch_threads" in locals() and torch.get_num_threads() != torch_threads:
+                torch.set_num_threads(torch_threads)
     if _threads_ok:
         import numba
         numba.set_num_threads(max(1, min(int(count), numba.config.NUMBA_NUM_THREADS)))

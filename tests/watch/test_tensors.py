@@ -103,3 +103,19 @@ def test_numba_threads_are_refused_in_a_forked_child(monkeypatch):
     monkeypatch.setattr(_numba, "_threads_ok", True)
     monkeypatch.setattr(_numba, "_threads_pid", -1)  # as a child of that process sees it
     assert _numba.threads(2) is False
+
+
+def test_starting_numbas_threads_leaves_pytorchs_thread_count(tmp_path):
+    """numba's OpenMP layer can share PyTorch's libgomp; starting it set that runtime's thread
+    count to numba's (a torchrun rank's 1 became 2, and a watched DDP run no longer matched the
+    unwatched one bit for bit)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch\nfrom precisiondiff import _numba\nn = torch.get_num_threads()\n"
+            "_numba.threads(n)\n_numba.threads(n)\nprint(n, torch.get_num_threads())\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("NUMBA_THREADING_LAYER", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]
