@@ -1,7 +1,7 @@
 """Watch overhead: a watched training step ÷ a plain one, measured side by side in one run.
 
     python benchmarks/bench_watch.py [--dim 768 --layers 12 --vocab 8192] [--batch 4 --seq 128]
-                                     [--rounds 8] [--device cpu] [--json OUT.json]
+                                     [--rounds 8] [--device cpu] [--control] [--json OUT.json]
 
 Five copies of one decoder (examples/tiny_transformer.py, ~98M parameters at the defaults),
 each with its own AdamW, train on the same batch: a plain one; one under ``precisiondiff.watch``
@@ -23,6 +23,9 @@ round and configuration, two ratios to the plain step of the same round:
   steps, and split by where it goes (forward hooks, gradient hooks, optimizer pre-hook: gradient
   norms and the weight copy; post-hook: weight norms, update ratios, state norms; ``w.step()``:
   stacking, read-back, the log line).
+
+``--control`` adds a second unwatched copy: its side-by-side ratio is the benchmark's own bias
+(99.6-100.3% on the runs of docs/performance.md, "Watch").
 
 Each figure is the median over the rounds (after one warm-up round) with its spread (min-max).
 "amortized" weighs light and full steps 9:1, as a run at the default ``--param-every 10`` sees them.
