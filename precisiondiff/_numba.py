@@ -76,6 +76,7 @@ def threads(count: int) -> bool:
         _threads_ok = None
     if _threads_ok is None:
         _threads_ok = False
+        torch_threads = None
         try:
             if not ENABLED:
                 raise RuntimeError("numba is not installed or disabled")
@@ -100,7 +101,7 @@ def threads(count: int) -> bool:
         except Exception as err:  # noqa: BLE001 - no threads: the callers run their parts on one thread
             _log.info("numba's threads unavailable (%s)", err)
         finally:
-            if "torch_threads" in locals() and torch.get_num_threads() != torch_threads:
+            if torch_threads is not None and torch.get_num_threads() != torch_threads:
                 torch.set_num_threads(torch_threads)
     if _threads_ok:
         import numba

@@ -159,8 +159,9 @@ def stats_in_parts(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) 
         stats_into(t, out, fps, row)
         return
     k = _parts_loader() if _kernels() is not None else None
-    if k is None:
-        raise RuntimeError("numba is not available")
+    if k is None:  # no parallel kernels (or no numba at all: stats_into raises, as documented)
+        stats_into(t, out, fps, row)
+        return
     from ._stats_par_jit import PART
     n = t.numel()
     parts = -(-n // PART)

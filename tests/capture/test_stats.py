@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -240,3 +241,14 @@ def test_large_tensors_in_parts_equal_one_pass(dtype, extra, seed, specials, thr
     other = measure(not threads)  # the same parts one after another, or on the threads
     assert other.keys() == f.keys()
     assert all(other[k] == f[k] or (math.isnan(other[k]) and math.isnan(f[k])) for k in f)
+
+
+def test_without_the_parallel_kernels_large_tensors_take_the_serial_kernel(monkeypatch):
+    """A parallel kernel that cannot load leaves the fused serial pass, not the eager path."""
+    t = torch.randn(stats_kernel.PARTS_FROM + 5, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(stats_kernel, "_parts_loader", lambda: None)
+    out, fps = np.zeros((1, 7)), np.zeros((1, 2), dtype=np.int64)
+    stats_kernel.stats_in_parts(t, out, fps, 0)
+    want, want_fps = np.zeros((1, 7)), np.zeros((1, 2), dtype=np.int64)
+    stats_kernel.stats_into(t, want, want_fps, 0)
+    assert (out == want).all() and (fps == want_fps).all()
