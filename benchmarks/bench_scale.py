@@ -189,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", default=None, help="keep the dump and the results in this directory")
     ap.add_argument("--max-replay-bytes", default=None,
                     help="bisect --max-replay-bytes (default: bisect's own)")
+    ap.add_argument("--modules-on-workers", action="store_true",
+                    help="bisect --modules-on-workers with the worker counts above 1")
     ap.add_argument("--seq", type=int, default=256, help="sequence length (the issue's case: 256)")
     ap.add_argument("--direction", choices=["forward", "backward"], default=None,
                     help="bisect --direction (default: both, the issue's case)")
@@ -231,7 +233,8 @@ def main(argv=None) -> int:
     for n in counts:
         out = os.path.join(root, f"bisect-w{n}.json")
         run = _timed(cli + ["bisect", dump, "--workload", spec, "--format", "json", "-o", out, *extra]
-                     + (["--workers", str(n)] if n > 1 else []), env)
+                     + (["--workers", str(n)] if n > 1 else [])
+                     + (["--modules-on-workers"] if n > 1 and args.modules_on_workers else []), env)
         if run["rc"] not in (0, 1) or not os.path.exists(out):
             print(run["stderr"][-3000:])
             return 1

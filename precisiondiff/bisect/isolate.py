@@ -26,7 +26,7 @@ from ..runtime.copying import copy_model
 from ..runtime.targets import complex_dtype
 from .references import reference_for
 
-__all__ = ["Unreplayable", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
+__all__ = ["Unreplayable", "IncompleteTemplate", "is_meta_template", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
            "replay_module_forward", "replay_module_backward", "replay_module_step", "FALLBACK_DTYPE"]
 
 FALLBACK_DTYPE = torch.float32  # inside module replays, for ops with no golden-dtype kernel
@@ -34,6 +34,12 @@ FALLBACK_DTYPE = torch.float32  # inside module replays, for ops with no golden-
 
 class Unreplayable(Exception):
     """The unit cannot be re-executed on the reference (no implementation, missing data)."""
+
+
+class IncompleteTemplate(Exception):
+    """A module template built on the meta device holds state the dump does not restore (a
+    parameter or buffer without its ``param.*`` slot, a plain tensor attribute): replaying it
+    would compute on uninitialized memory. The caller replays with the real model instead."""
 
 
 @dataclass
@@ -397,11 +403,41 @@ class GoldenMode(TorchDispatchMode):
             lambda v: v.to(golden) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
 
 
+def is_meta_template(template: torch.nn.Module) -> bool:
+    """Whether ``template`` was built on the meta device (its state comes from the dump alone)."""
+    return any(t.is_meta for t in template.parameters()) or any(t.is_meta for t in template.buffers())
+
+
+def _meta_attributes(module: torch.nn.Module) -> List[str]:
+    """Tensors held as plain attributes of ``module``'s submodules (not parameters or buffers:
+    no ``param.*`` slot restores them) that are still on the meta device."""
+    return [f"{name}.{attr}" if name else attr for name, m in module.named_modules()
+            for attr, v in vars(m).items() if isinstance(v, torch.Tensor) and v.is_meta]
+
+
 def _module_copy(template: torch.nn.Module, ev: UnitEvent, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The module of ``template`` on the reference ``device``/``dtype`` with the call's recorded
+    parameters and buffers (its ``param.*`` slots).
+
+    A template built on the meta device (a replay worker's: nothing to initialise) gets empty
+    tensors, all of which the slots must fill.
+
+    Raises:
+        IncompleteTemplate: a meta template whose state the slots do not restore entirely.
+    """
     cplx = complex_dtype(dtype)
-    # not Module.to(dtype): it casts complex buffers (a RoPE table) to the real dtype
-    module = copy_model(template)._apply(lambda t: t.to(
-        device=device, dtype=dtype if t.is_floating_point() else cplx if t.is_complex() else None))
+    meta = is_meta_template(template)
+    if meta:
+        missing = _meta_attributes(template)
+        if missing:
+            raise IncompleteTemplate(f"{ev.scope}: tensor attribute {missing[0]} is not recorded")
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        # not Module.to(dtype): it casts complex buffers (a RoPE table) to the real dtype
+        to = dtype if t.is_floating_point() else cplx if t.is_complex() else t.dtype
+        return torch.empty_like(t, device=device, dtype=to) if t.is_meta else t.to(device=device, dtype=to)
+    module = copy_model(template)._apply(place)
+    unfilled = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()} if meta else set()
     up = _upcaster(device, dtype)
     with torch.no_grad():
         for slot, info in ev.slots.items():
@@ -423,6 +459,9 @@ def _module_copy(template: torch.nn.Module, ev: UnitEvent, device: str, dtype: t
                 target.data = value.to(target.dtype)
             else:
                 target.data = value
+            unfilled.discard(name)
+    if unfilled:
+        raise IncompleteTemplate(f"{ev.scope}: {sorted(unfilled)[0]} is not recorded with the call")
     for p in module.parameters():
         p.grad = None
     module.train(bool((ev.args or {}).get("training", False)))

@@ -139,7 +139,8 @@ def _nested(model: torch.nn.Module, prefix: str) -> torch.nn.Module:
     return model
 
 
-def _workload_for(workload: Any, meta: Dict[str, Any], events: List[UnitEvent], dut_dump: Any) -> Any:
+def _workload_for(workload: Any, meta: Dict[str, Any], events: List[UnitEvent], dut_dump: Any, *,
+                  on_meta: bool = False) -> Any:
     """The workload (its seed from the dump) whose model holds every module the dump recorded, under
     the dump's wrapper prefix (DeepSpeed's, DDP's ``module.``) when the bare model is given; and
     that prefix.
@@ -148,7 +149,11 @@ def _workload_for(workload: Any, meta: Dict[str, Any], events: List[UnitEvent], 
         BisectError: a recorded module is not in the model.
     """
     from ..runtime.workload import load_workload
-    wl = load_workload(workload, seed=int(meta.get("seed") or 0))
+    if on_meta:
+        with torch.device("meta"):
+            wl = load_workload(workload, seed=int(meta.get("seed") or 0))
+    else:
+        wl = load_workload(workload, seed=int(meta.get("seed") or 0))
     modules = dict(wl.model.named_modules())
     recorded = {e.scope for e in events if e.kind == "module"}
     prefix = wrapper_prefix(sorted(recorded), list(modules))
@@ -162,11 +167,16 @@ def _workload_for(workload: Any, meta: Dict[str, Any], events: List[UnitEvent], 
     return wl, prefix
 
 
-def workload_modules(workload: Any, meta: Dict[str, Any], events: List[UnitEvent]) -> Dict[str, torch.nn.Module]:
+def workload_modules(workload: Any, meta: Dict[str, Any], events: List[UnitEvent], *,
+                     on_meta: bool = False) -> Dict[str, torch.nn.Module]:
     """The workload's modules by scope, as a bisect of the dump with ``meta`` and ``events`` replays
-    them (a replay worker's, bisect/workers.py)."""
+    them (a replay worker's, bisect/workers.py).
+
+    ``on_meta``: built on the meta device (no memory, no initialisation: the parameters come from
+    the dump); the replay refuses such a template where the dump does not restore all its state
+    (:class:`~precisiondiff.bisect.isolate.IncompleteTemplate`)."""
     first = [e for e in events if e.step == events[0].step] if events else events
-    return dict(_workload_for(workload, meta, first, "the dump")[0].model.named_modules())
+    return dict(_workload_for(workload, meta, first, "the dump", on_meta=on_meta)[0].model.named_modules())
 
 
 def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *, ref: "str | Target" = "cpu/float64",
@@ -335,7 +345,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         cost["block_wise"] = {"max_replay_bytes": max_replay_bytes, "not_replayed_whole": out.block_wise}
     if pool is not None:
         cost["workers"] = {"n": pool.workers, "kind": type(pool).__name__, "module_units": pool.modules_sent,
-                           **({"peak_rss": pool.peak_rss()} if hasattr(pool, "peak_rss") else {})}
+                           **({"peak_rss": pool.peak_rss()} if hasattr(pool, "peak_rss") else {}),
+                           **({"templates": dict(pool.templates)} if getattr(pool, "templates", None) else {})}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
                       notes=notes, input_check=evidence)
     if len({e.step for e in every}) > 1:

@@ -8,7 +8,8 @@ point where the search stops are dropped, and their replays are not counted). Th
 can go the same way: the modules queued next (siblings of the descent) are judged ahead with the
 op replays' roundings (bisect/reuse.py) sent from the search; a torchrun job's processes always
 (each has built the model), local workers only with ``modules_on_workers`` (each then builds the
-workload's model once, which costs more than it saves on small hosts); a top-level module's
+workload's modules on the meta device, the real model only where the dump cannot fill that template);
+a top-level module's
 forward and backward share one replay and stay on the search's process.
 
 * :class:`LocalPool` (``bisect DUMP --workers N``): N processes on this host, each with the dump
@@ -29,7 +30,7 @@ import torch
 
 from .engine import (EngineInput, ModuleContext, ModuleResult, OpResult, forward_module_calls, judge_module_unit,
                      judge_op_unit, random_outputs_of)
-from .isolate import UnitEvent
+from .isolate import IncompleteTemplate, UnitEvent
 
 __all__ = ["LocalPool", "DistPool", "WINDOW_PER_WORKER", "threads_per_worker", "import_workload_module",
            "warm_kernels"]
@@ -97,7 +98,10 @@ def _init(events_of: Callable[..., List[UnitEvent]], dump_path: str, workload_mo
     _STATE["events"] = {(e.step, e.seq): e for e in events}
     _STATE["options"] = dict(options, module_class_of=classes.get)
     _STATE["input"] = EngineInput(events=[], **_STATE["options"])
-    _STATE["modules"] = lambda: modules_of(workload_module, dump.meta, events) if modules_of is not None else {}
+    _STATE["build"] = (lambda on_meta: modules_of(workload_module, dump.meta, events, on_meta=on_meta)) \
+        if modules_of is not None else (lambda on_meta: {})
+    _STATE["modules"] = None  # built at the first module unit: on the meta device first
+    _STATE["templates"] = None  # "meta" or "built"
     _STATE["steps"] = {}
 
 
@@ -106,10 +110,25 @@ def _judge_chunk(keys: Sequence[Tuple[int, int]], rounding: bool) -> List[Tuple[
     return [(k, judge_op_unit(_STATE["events"][k], inp, rounding)) for k in keys]
 
 
+def _templates(real: bool = False) -> None:
+    """A local worker's module templates, built once: on the meta device (no memory, no random
+    init: 8 s on one core at 100 M parameters; the parameters come from the dump), or the
+    workload's real model when ``real`` or when its builder does not run on the meta device."""
+    if _STATE["modules"] is not None and (not real or _STATE["templates"] == "built"):
+        return
+    if not real:
+        try:
+            _STATE["modules"], _STATE["templates"] = _STATE["build"](True), "meta"
+            return
+        except Exception:  # noqa: BLE001 - a builder that needs real tensors: the real model
+            pass
+    _STATE["modules"], _STATE["templates"] = _STATE["build"](False), "built"
+    _STATE["steps"] = {}  # contexts hold the previous templates
+
+
 def _step_context(step: int, fallback: frozenset, rounded: Optional[Dict[Any, Any]]) -> ModuleContext:
     """A local worker's module context for ``step`` (its events, the modules, built once)."""
-    if callable(_STATE["modules"]):
-        _STATE["modules"] = _STATE["modules"]()
+    _templates()
     if step not in _STATE["steps"]:
         from .evidence import param_grads_of
         events = [e for (s, _), e in _STATE["events"].items() if s == step]
@@ -128,9 +147,22 @@ def _step_context(step: int, fallback: frozenset, rounded: Optional[Dict[Any, An
 
 def _judge_module(key: Tuple[int, int], held: Tuple[int, ...], fallback: frozenset,
                   rounded: Optional[Dict[Any, Any]]) -> Tuple[Tuple[int, int], Any]:
-    ctx = _step_context(key[0], fallback, rounded)
     ev = _STATE["events"][key]
-    return key, judge_module_unit(ev, [_STATE["events"][(key[0], h)] for h in held], ctx)
+    held_events = [_STATE["events"][(key[0], h)] for h in held]
+    ctx = _step_context(key[0], fallback, rounded)
+    if _STATE["templates"] == "meta":
+        try:
+            result = judge_module_unit(ev, held_events, ctx)
+        except IncompleteTemplate:
+            result = None
+        # a failure that names the meta device: state the dump does not restore (a tensor held in
+        # a container or a closure) reached the computation. Replayed with the real model, as the
+        # search's process would replay it.
+        if result is not None and (result[0].replayable or "meta" not in str(result[1].get("reason", "")).lower()):
+            return key, result, "meta"
+        _templates(real=True)
+        ctx = _step_context(key[0], fallback, rounded)
+    return key, judge_module_unit(ev, held_events, ctx), "built"
 
 
 def _module_results(tasks: Sequence[Tuple[UnitEvent, Tuple[int, ...]]], ctx: ModuleContext,
@@ -164,6 +196,7 @@ class LocalPool:
         import multiprocessing
         self.workers = workers
         self.modules_sent = 0  # module units judged on the workers (some ahead, then dropped)
+        self.templates: Dict[str, int] = {}  # module units judged with meta / built templates
         if modules_of is None:
             self.judge_modules = None  # type: ignore[assignment]  (the engine then judges them itself)
         self.window = WINDOW_PER_WORKER * workers
@@ -194,7 +227,10 @@ class LocalPool:
         self.modules_sent += len(tasks)
         futures = [self._pool.submit(_judge_module, (ev.step, ev.seq), held, ctx.fallback, rounded)
                    for ev, held in tasks]
-        return _module_results(tasks, ctx, [f.result()[1] for f in futures])
+        done = [f.result() for f in futures]
+        for _, _, kind in done:
+            self.templates[kind] = self.templates.get(kind, 0) + 1
+        return _module_results(tasks, ctx, [res for _, res, _ in done])
 
     def peak_rss(self) -> Optional[int]:
         """The largest peak RSS of a finished worker (bytes; after :meth:`close`)."""

@@ -80,6 +80,9 @@ def _progress():
               help="offline: judge the op replays on N processes of this host (the result is the same as "
                    "with one); a multi-rank dump: bisect N ranks at a time. Under torchrun the job's "
                    "processes share the replays instead")
+@click.option("--modules-on-workers", "modules_on_workers", is_flag=True, default=False,
+              help="with --workers: the module replays of the descent on the workers too (each builds the "
+                   "model's templates on the meta device; pays on large models, not on small ones)")
 @click.option("--max-replay-bytes", "max_replay_bytes", default="1GiB", show_default=True, metavar="SIZE",
               help="block-wise replay: a module larger than SIZE in the reference dtype is not replayed whole "
                    "(its blocks are), and with a culprit such a model's whole reference run is left out; "
@@ -90,7 +93,7 @@ def _progress():
                    "the emulated peers)")
 def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed, workload, budgets, accept, noise,
            confirm, card_path, script, keep, allow_narrowed, repro_dir, max_elements, peer, workers,
-           max_replay_bytes, rule, blame_known) -> None:
+           modules_on_workers, max_replay_bytes, rule, blame_known) -> None:
     """Find the first op or module whose own arithmetic is wrong (WORKLOAD, DUT_DUMP [REF_DUMP] or --script)."""
     from ..bisect import bisect as run_live, bisect_dump
     from ..bisect.ranks import bisect_ranks, is_multi_rank
@@ -140,6 +143,9 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
     if workers > 1 and not offline:
         raise BisectError("--workers applies to a DUT_DUMP (offline bisect); capture the workload with "
                           "`precisiondiff capture WORKLOAD --mode replay -o DIR` and bisect DIR")
+    if modules_on_workers and workers <= 1:
+        raise BisectError("--modules-on-workers applies with --workers N (N > 1); under torchrun the job's "
+                          "processes share the module replays already")
     card = None
     if card_path is not None:
         from ..probe.card import load_card
@@ -170,7 +176,7 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
                                  budgets=list(budgets), progress=progress, accept=list(accept),
                                  allow_narrowed=allow_narrowed, repro=repro_dir, max_elements=max_elements,
                                  peer=peer, workers=workers, max_replay_bytes=replay_limit,
-                                 rule=rule, blame_known=blame_known)
+                                 rule=rule, blame_known=blame_known, modules_on_workers=modules_on_workers)
         else:
             result = run_live(source, target=target, ref=ref, direction=direction, seed=seed,
                               budgets=list(budgets), progress=progress, noise=noise, confirm=confirm,

@@ -73,10 +73,25 @@ class Decoder(nn.Module):
         return self.head(self.norm(x))
 
 
-def _workload(plant: bool) -> Workload:
+class GainBlock(Block):
+    """A block scaling its output by a tensor held as a plain attribute: not a parameter or a
+    buffer, so no ``param.*`` slot records it and a template built on the meta device lacks it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.linspace(0.5, 1.5, DIM)
+
+    def forward(self, x):
+        return super().forward(x) * self.gain.to(x.dtype)
+
+
+def _workload(plant: bool, gain: bool = False) -> Workload:
     ids = torch.randint(0, VOCAB, (2, SEQ))
     labels = torch.randint(0, VOCAB, (2, SEQ))
-    return Workload(Decoder(plant), ids,
+    model = Decoder(plant)
+    if gain:
+        model.layers[0] = GainBlock()
+    return Workload(model, ids,
                     loss=lambda out: F.cross_entropy(out.float().reshape(-1, VOCAB), labels.reshape(-1)))
 
 
@@ -88,3 +103,8 @@ def planted_workload() -> Workload:
 def clean_workload() -> Workload:
     """The same stack without the plant."""
     return _workload(False)
+
+
+def gain_workload() -> Workload:
+    """The planted stack whose first block holds a plain tensor attribute (:class:`GainBlock`)."""
+    return _workload(True, gain=True)
