@@ -90,6 +90,40 @@ def tiny_ops(ops: int, repeats: int, tmp: str, profile: bool, memory: bool = Fal
           f"op/stats capture {c * 1e3:.2f} ms, {per:.1f} us per recorded op event (goal <= 10)")
 
 
+def engines(ops: int, repeats: int, tmp: str, memory: bool) -> None:
+    """The tiny-ops forward plain, under the Python engine and under the compiled engine
+    (capture/compiled.py), interleaved in one loop: us per recorded op event of each, side by side."""
+    from precisiondiff.capture import compiled
+    if compiled.load() is None:
+        print(f"engines: the compiled hook is unavailable here ({compiled.unavailable_reason()})")
+        return
+    model = TinyOps(ops)
+    x = torch.randn(64)
+    times = {"plain": [], "python": [], "compiled": []}
+    events = {}
+    for rep in range(repeats + 1):
+        for name in times:
+            t0 = CLOCK()
+            if name == "plain":
+                with torch.no_grad():
+                    model(x)
+            else:
+                sink = cap_mod.MemorySink() if memory else None
+                with cap_mod.capture(os.path.join(tmp, f"eng-{name}"), model=model, level="op", mode="stats",
+                                     overwrite=True, sink=sink, engine=name) as cap:
+                    with torch.no_grad():
+                        model(x)
+                events[name] = cap.recorder.events_written
+            if rep:  # the first round builds caches
+                times[name].append(CLOCK() - t0)
+    p = STAT(times["plain"])
+    where = "into memory" if memory else "into a dump"
+    per = {n: (STAT(times[n]) - p) / max(events[n], 1) * 1e6 for n in ("python", "compiled")}
+    print(f"engines ({where}): {ops} ops x 64 elements, {events['compiled']} events: plain {p * 1e3:.2f} ms; us per "
+          f"recorded op event: python {per['python']:.1f}, compiled {per['compiled']:.1f} "
+          f"({per['compiled'] / per['python']:.2f}x; goal <= 10 us)")
+
+
 def long_capture(ops: int, repeats: int) -> None:
     """One session over ``ops`` tiny ops, as a long step or training run records them: the
     de-duplication window full, the garbage collector's full collections included (a min over
@@ -251,6 +285,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: process CPU time, every thread (steadier when other jobs share the cores)")
     parser.add_argument("--stat", choices=("median", "min"), default="median")
+    parser.add_argument("--engines", action="store_true",
+                        help="only the tiny-ops forward under the Python and the compiled engine, side by side")
     args = parser.parse_args()
     global CLOCK, STAT
     if args.clock == "cpu":
@@ -260,6 +296,10 @@ def main() -> None:
     print(f"clock: {args.clock}, {args.stat} of {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.engines:
+            engines(args.ops, args.repeats, tmp, memory=True)
+            engines(args.ops, args.repeats, tmp, memory=False)
+            return
         if args.only in (None, "ops"):
             tiny_ops(args.ops, args.repeats, tmp, args.profile)
             tiny_ops(args.ops, args.repeats, tmp, False, memory=True)

@@ -281,3 +281,4 @@ def stats_f16_at(address, n, infinities, table, cumulative, out, fps):  # pragma
     _stats(bits.view(np.uint16), bits, numba.carray(_pointer(infinities), 2, np.int16),
            numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
            numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+

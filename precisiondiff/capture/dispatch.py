@@ -217,6 +217,18 @@ class OpCaptureMode(TorchDispatchMode):
         self.uninitialized = _Uninitialized()
         self._pending = self.uninitialized.refs  # non-empty while an uninitialized buffer is live
         self.hops_seen: Dict[str, int] = {}  # higher-order operators recorded, by name
+        self.compiled: Any = None  # compiled.CompiledOps: the C++ hook in front of this mode
+
+    def __enter__(self):  # noqa: D105
+        out = super().__enter__()
+        if self.compiled is not None:
+            self.compiled.enable(True)
+        return out
+
+    def __exit__(self, *exc: Any):  # noqa: D105
+        if self.compiled is not None:
+            self.compiled.enable(False)
+        return super().__exit__(*exc)
 
     def _describe(self, func: Any) -> _OpInfo:
         if isinstance(func, HigherOrderOperator):

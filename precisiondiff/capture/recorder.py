@@ -203,6 +203,9 @@ class Recorder:
         # Built lazily, at the first write after new records (most steps write rarely).
         self._by_base: Dict[tuple, List[tuple]] = {}
         self._unindexed: List[tuple] = []  # identities recorded since _by_base was last built
+        # called before an event is begun or a batch is read back: the compiled engine hands over
+        # the calls it recorded meanwhile, so that events keep their execution order
+        self.before_events: Optional[Any] = None
 
     @property
     def stores_data(self) -> bool:
@@ -210,6 +213,8 @@ class Recorder:
 
     def begin(self, kind: str, scope: str, name: str, direction: str) -> PendingEvent:
         """Start an event: its call number is fixed now."""
+        if self.before_events is not None:
+            self.before_events()
         ident = (kind, scope, name, direction)
         calls = self._calls
         call = calls.get(ident, 0)
@@ -280,7 +285,9 @@ class Recorder:
             ptr = t.data_ptr()
         except RuntimeError:
             ptr = id(t)
-        ident = (device, ptr, t.shape, t.stride(), t.dtype, version)
+        # a negative or conjugate view of recorded memory holds other values than the memory
+        # read plainly: its bits are part of its identity (and of its content's, below)
+        ident = (device, ptr, t.shape, t.stride(), t.dtype, version, (t.is_neg() << 1) | t.is_conj())
         seen_map = self._seen
         seen = None if fresh else seen_map.get(ident)
         if seen is not None and seen[0] is not t and _moved(seen[0], ptr):
@@ -309,7 +316,7 @@ class Recorder:
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
             # (not for inference tensors: without a version counter an in-place change is invisible)
             numel = t.numel()
-            content = (device, ptr, numel, ident[4], version) \
+            content = (device, ptr, numel, ident[4], version, ident[6]) \
                 if not fresh and t.is_contiguous() else None
             same = self._same_content.get(content) if content is not None else None
             if same is not None:
@@ -389,7 +396,7 @@ class Recorder:
                 base = ident[1] - t.storage_offset() * t.element_size()
             except RuntimeError:
                 continue
-            content = (ident[0], ident[1], ident[2].numel(), ident[4], ident[5])
+            content = (ident[0], ident[1], ident[2].numel(), ident[4], ident[5], ident[6])
             by_base.setdefault((ident[0], base), []).append((ident, content))
         self._unindexed.clear()
 
@@ -417,6 +424,8 @@ class Recorder:
 
     def finish(self, event: PendingEvent, *, args: Any = None) -> None:
         """Close an event; it is emitted at the next batch read-back."""
+        if self.before_events is not None:
+            self.before_events()
         if not event.tensors:
             return
         event.seq = self.seq
@@ -429,6 +438,8 @@ class Recorder:
 
     def flush(self) -> None:
         """Read back all queued statistics at once and emit pending events in order."""
+        if self.before_events is not None:
+            self.before_events()
         if not self._pending:
             return
         self._streams.join()

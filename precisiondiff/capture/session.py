@@ -24,7 +24,8 @@ from typing import Any, Dict, Iterator, List, Optional
 from torch import nn
 
 from ..errors import PrecisionDiffError
-from . import distributed
+from . import compiled, distributed
+from .compiled import ENGINES, CompiledOps
 from .dispatch import HOP_NOTE, OpCaptureMode
 from .filters import CaptureFilter, parse_selection
 from .gather import FullGather, wanted as gather_wanted
@@ -85,6 +86,10 @@ class CaptureSession(ModuleHooks):
             the shard being written.
         durable: fsync the dump at every step's end, not only when it is closed (a killed
             process keeps every finished step either way; this also survives a power loss).
+        engine: how op-level calls are recorded: ``python`` (the ``TorchDispatchMode``) or
+            ``compiled`` (a C++ dispatcher hook for the common call, the Python mode for the
+            rest: :mod:`.compiled`; statistics mode only, else the Python path). Default: the
+            ``PRECISIONDIFF_CAPTURE_ENGINE`` environment variable, else ``python``.
 
     Example:
         >>> with CaptureSession("runs/dut", model=model, mode="tensors") as cap:
@@ -97,7 +102,7 @@ class CaptureSession(ModuleHooks):
                  filter: Optional[CaptureFilter] = None, meta: Optional[dict] = None,
                  sink: Optional[Sink] = None, overwrite: bool = False,
                  max_host_memory: int = DEFAULT_MAX_HOST_MEMORY, gather_full: "bool | str" = False,
-                 durable: bool = False) -> None:
+                 durable: bool = False, engine: Optional[str] = None) -> None:
         if level not in LEVELS:
             raise PrecisionDiffError(f"unknown level {level!r}: use one of {', '.join(LEVELS)}")
         if mode not in MODES:
@@ -109,6 +114,12 @@ class CaptureSession(ModuleHooks):
         if int(max_host_memory) < (4 << 20):
             raise PrecisionDiffError(f"--max-host-memory {max_host_memory} is too small: give at least 4 MiB")
         self.max_host_memory = int(max_host_memory)
+        engine = engine or os.environ.get("PRECISIONDIFF_CAPTURE_ENGINE") or "python"
+        if engine not in ENGINES:
+            raise PrecisionDiffError(f"unknown capture engine {engine!r}: use one of {', '.join(ENGINES)}")
+        self.engine = engine
+        self._compiled: Optional[CompiledOps] = None
+        self.engine_report: Optional[dict] = None  # meta.json's capture_engine, once closed
         self.gather_full = gather_full  # DTensors' full tensors too (gather.py)
         self.errors: List[str] = []  # capture's own failures (it stopped at the first)
         self.out, self.level, self.mode, self.format = out, level, mode, format
@@ -202,6 +213,7 @@ class CaptureSession(ModuleHooks):
                 self._hook_globally()
             if self.level in ("op", "all"):
                 self._mode = OpCaptureMode(self)
+                self._start_compiled()
                 self._mode.__enter__()
         except BaseException:
             self._remove_hooks()
@@ -216,6 +228,7 @@ class CaptureSession(ModuleHooks):
             hops = self._mode.hops_seen
             self._mode.__exit__(None, None, None)
             self._mode = None
+        engine = self.engine_report = self._stop_compiled()
         self._remove_hooks()
         # Whatever stopped the run, what was recorded is written; capture's own errors become
         # notes (``errors``), never an exception replacing the workload's outcome.
@@ -236,6 +249,8 @@ class CaptureSession(ModuleHooks):
                 fields.update(self._layout)
             if self.errors:
                 fields["capture_errors"] = list(self.errors)
+            if engine is not None:
+                fields["capture_engine"] = engine
             if hops:  # recorded as units, not op by op (dispatch.py)
                 fields["higher_order_ops"] = {name: {"calls": n, "note": HOP_NOTE} for name, n in hops.items()}
             try:
@@ -250,6 +265,30 @@ class CaptureSession(ModuleHooks):
         if self._froze:
             self._froze = False
             gc.unfreeze()
+
+    def _start_compiled(self) -> None:
+        """The compiled engine's hook bound to the op mode, when asked for and possible."""
+        if self.engine != "compiled" or self.mode != "stats":
+            return
+        ext = compiled.load()
+        if ext is None:
+            return
+        self._compiled = self._mode.compiled = CompiledOps(self._mode, ext)
+        self.recorder.before_events = self._compiled.drain
+
+    def _stop_compiled(self) -> Optional[dict]:
+        """Drain and release the compiled hook; what meta.json says of the engine (None: the
+        Python engine, as asked)."""
+        done = self._compiled
+        if done is None:
+            if self.engine == "python" or self.level == "module":
+                return None
+            why = "statistics mode only" if self.mode != "stats" else compiled.unavailable_reason()
+            return {"name": "python", "asked": self.engine, "why": why}
+        self._compiled = None
+        done.close()
+        self.recorder.before_events = None
+        return {"name": "compiled", **done.counts()}
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -357,7 +396,8 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
             steps: "str | None" = None, ranks: "str | None" = None, views: bool = False,
             meta: Optional[dict] = None, sink: Optional[Sink] = None,
             overwrite: bool = False, max_host_memory: int = DEFAULT_MAX_HOST_MEMORY,
-            gather_full: "bool | str" = False, durable: bool = False) -> CaptureSession:
+            gather_full: "bool | str" = False, durable: bool = False,
+            engine: Optional[str] = None) -> CaptureSession:
     """Capture a model's (or, with ``model=None``, a whole program's) numerics into a dump.
 
     Args:
@@ -377,6 +417,8 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
             gathered at each step's end on every rank (docs/distributed.md); default local shards only.
         durable: fsync the dump at every step's end (default: written at every step's end,
             fsynced once at close; only a power loss during the run can lose finished steps).
+        engine: ``python`` or ``compiled`` (op levels, statistics mode: a C++ dispatcher hook
+            records the common op call; :class:`CaptureSession`).
 
     Returns:
         A :class:`CaptureSession` to use as a context manager; call ``.step()`` between steps.
@@ -389,4 +431,4 @@ def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module
                          steps=parse_selection(steps), ranks=parse_selection(ranks), views=views)
     return CaptureSession(out, model=model, level=level, mode=mode, format=format, filter=filt,
                           meta=meta, sink=sink, overwrite=overwrite, max_host_memory=max_host_memory,
-                          gather_full=gather_full, durable=durable)
+                          gather_full=gather_full, durable=durable, engine=engine)

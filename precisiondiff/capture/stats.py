@@ -188,6 +188,8 @@ class StatsBatch:
                 self._fused[handle] = (row, numel)
                 return handle
         with torch.no_grad():
+            if t.is_conj() or t.is_neg():  # lazy views: their values, not their memory's
+                t = t.resolve_conj().resolve_neg()
             if numel <= min(self.small_elements, SMALL_TENSOR_ELEMENTS) and not t.is_complex() and t.element_size() in _BITS:
                 if snapshot is not None and snapshot.device == t.device:
                     flat = snapshot.reshape(-1)
@@ -257,6 +259,25 @@ class StatsBatch:
                 "norm": sqrt(squares), "nan": int(nan), "inf": int(inf),
                 "fingerprint": _HEX(*fps[row])}
         self._fused.clear()
+
+    def put_fused(self, rows: List[float], words: List[int], numels: List[int]) -> int:
+        """Results the fused kernel computed elsewhere (the compiled capture engine's hook calls
+        its C entry points): ``rows`` 7 floats per tensor (as :func:`~.stats_kernel.stats_into`
+        writes them), ``words`` its fingerprint's 2 unsigned 64-bit words, ``numels`` its element
+        count. Formatted as :meth:`resolve` formats the kernel's rows; returns the first handle
+        (the others follow, in order)."""
+        first = self._next
+        self._next = first + len(numels)
+        results, sqrt, nan_ = self._results, math.sqrt, math.nan
+        for i, numel in enumerate(numels):
+            lo, hi, total, absolute, squares, nan, inf = rows[7 * i:7 * i + 7]
+            if nan:
+                lo = hi = nan_
+            results[first + i] = {
+                "min": lo, "max": hi, "mean": total / numel, "abs_mean": absolute / numel,
+                "norm": sqrt(squares), "nan": int(nan), "inf": int(inf),
+                "fingerprint": _HEX(words[2 * i], words[2 * i + 1])}
+        return first
 
     def get(self, handle: int) -> dict:
         result = self._results.get(handle)

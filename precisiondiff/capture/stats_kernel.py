@@ -25,7 +25,8 @@ import torch
 from .. import _numba
 from ..store.fingerprint import PERIOD, salts
 
-__all__ = ["AVAILABLE", "fused_stats", "stats_into", "stats_at", "stats_in_parts", "supports", "PARTS_FROM"]
+__all__ = ["AVAILABLE", "fused_stats", "stats_into", "stats_at", "stats_in_parts", "supports", "PARTS_FROM",
+           "c_entries"]
 
 _log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ _log = logging.getLogger(__name__)
 AVAILABLE = _numba.ENABLED
 _loader = _numba.Kernels(__name__.rpartition(".")[0] + "._stats_jit")
 _parts_loader = _numba.Kernels(__name__.rpartition(".")[0] + "._stats_par_jit")
+_c_loader = _numba.Kernels(__name__.rpartition(".")[0] + "._stats_cjit")
 #: tensors of at least this many elements take :func:`stats_in_parts` where a caller asks for it
 #: (four of ``_stats_par_jit.PART``: below that, starting the threads costs more than they save)
 PARTS_FROM = 4 * PERIOD
@@ -215,3 +217,24 @@ def fused_stats(t: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
     fps = np.zeros((1, 2), dtype=np.int64)
     stats_into(t, out, fps, 0)
     return out[0], fps[0]
+
+
+_C_ENTRIES = {torch.float32: "cstats_f32", torch.float64: "cstats_f64", torch.bfloat16: "cstats_bf16",
+              torch.float16: "cstats_f16"}
+
+
+def c_entries() -> "dict | None":
+    """What the compiled capture engine's hook needs to call the kernel itself: per dtype, the
+    address of the ``*_at`` entry point compiled as a C function (``_stats_jit.cstats_*``) and of
+    its infinities' keys; the addresses of the salt table and its prefix sums (module globals:
+    alive as long as the process). None without numba."""
+    k = _c_loader() if _kernels() is not None else None
+    if k is None:
+        return None
+    try:
+        fns = {dtype: getattr(k, name).address for dtype, name in _C_ENTRIES.items()}
+    except Exception as err:  # noqa: BLE001 - a numba without cfunc: the hook leaves them to Python
+        _log.warning("the statistics kernel's C entry points are unavailable: %s", err)
+        return None
+    return {"functions": fns, "infinities": {d: _INFINITIES[d].ctypes.data for d in fns},
+            "table": _TABLES_AT[0], "cumulative": _TABLES_AT[1]}

@@ -34,14 +34,18 @@ __all__ = ["capture", "refuse_workload_with_script"]
               help="--gather-full for the DTensors whose record key matches REGEX only")
 @click.option("--durable", is_flag=True,
               help="fsync the dump at every batch, not only at close (survives a power loss, costs a few ms each)")
+@click.option("--engine", type=click.Choice(["python", "compiled"]), default=None,
+              help="how op-level calls are recorded: the Python dispatch mode, or a C++ dispatcher hook for the "
+                   "common call (statistics mode; built on first use; the same events). Default: "
+                   "$PRECISIONDIFF_CAPTURE_ENGINE, else python")
 def capture(argv, out, target, level, mode, format, seed, scope, scope_exclude, op, op_exclude,
             steps, ranks, script, views, train, repeat, overwrite, max_host_memory, gather_full,
-            gather_only, durable, allow_narrowed) -> None:
+            gather_only, durable, engine, allow_narrowed) -> None:
     """Capture a workload (path/file.py:fn, package.module:fn or hf:PATH) or a script into a dump."""
     from ..capture.runner import capture_script, capture_workload
     filters = dict(scope=scope, scope_exclude=scope_exclude, op=op, op_exclude=op_exclude,
                    ranks=ranks, views=views, max_host_memory=parse_size(max_host_memory),
-                   gather_full=gather_only or gather_full, durable=durable)
+                   gather_full=gather_only or gather_full, durable=durable, engine=engine)
     if script:
         if target:
             raise PrecisionDiffError("--target has no effect with --script: the script places its model "

@@ -142,7 +142,9 @@ class LegacyRecorder(_recorder.Recorder):
             ptr = t.data_ptr()
         except RuntimeError:
             ptr = id(t)
-        ident = (device, ptr, t.shape, t.stride(), t.dtype, version)
+        # a negative or conjugate view of recorded memory holds other values than the memory
+        # read plainly: its bits are part of its identity (and of its content's, below)
+        ident = (device, ptr, t.shape, t.stride(), t.dtype, version, (t.is_neg() << 1) | t.is_conj())
         seen_map = self._seen
         seen = None if fresh else seen_map.get(ident)
         if seen is not None and seen[0] is not t and _moved(seen[0], ptr):
@@ -171,7 +173,7 @@ class LegacyRecorder(_recorder.Recorder):
             # and fingerprint, so they are not computed again. Its data is stored under its own key.
             # (not for inference tensors: without a version counter an in-place change is invisible)
             numel = t.numel()
-            content = (device, ident[1], numel, ident[4], ident[5]) \
+            content = (device, ident[1], numel, ident[4], ident[5], ident[6]) \
                 if not fresh and t.is_contiguous() else None
             same = self._same_content.get(content) if content is not None else None
             if same is not None:

@@ -61,6 +61,34 @@ def test_a_tensor_changed_in_place_is_measured_again():
     assert mul_in["max"] == float(x.max()) and mul_in["max"] > 10
 
 
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_a_negative_view_of_recorded_memory_is_measured_by_its_values(engine):
+    """A negative view shares its memory, shape, strides and version with the tensor it views:
+    its values are the opposite. It is measured as itself, not de-duplicated to that tensor's
+    record (the compiled engine, which does not de-duplicate, showed the difference)."""
+    sink = MemorySink()
+    y = torch.linspace(-1, 3, 16)
+    with capture(level="op", mode="stats", sink=sink, engine=engine):
+        x = torch.sin(y)
+        torch._neg_view(x) * 1.0  # resolved below autograd by a clone the mode records
+    (sin_out,) = _stats_of(sink, "aten.sin.default", "output.0")
+    (neg_in,) = _stats_of(sink, "aten.clone.default", "input.0")
+    assert sin_out["max"] == float(x.max()) and neg_in["max"] == float((-x).max()) != sin_out["max"]
+    assert neg_in["fingerprint"] == fingerprint(-x)
+
+
+def test_a_conjugate_view_of_recorded_memory_is_measured_by_its_values():
+    sink = MemorySink()
+    z = torch.complex(torch.linspace(-1, 1, 8), torch.linspace(0.5, 2, 8))
+    with capture(level="op", mode="stats", sink=sink):
+        w = z * 1.0
+        w.conj() * 1.0  # resolved below autograd by a clone the mode records
+    w_out = _stats_of(sink, "aten.mul.Tensor", "output.0")[0]
+    (conj_in,) = _stats_of(sink, "aten.clone.default", "input.0")
+    assert w_out["min"] == float(torch.view_as_real(w).min()) == -1.0  # the real parts'
+    assert conj_in["min"] == float(torch.view_as_real(w.conj().resolve_conj()).min()) == -2.0  # -imag
+
+
 def test_the_last_tensor_shortcut_keeps_the_data_key_in_tensors_mode():
     sink = MemorySink()
     y = torch.randn(4)

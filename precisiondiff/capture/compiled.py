@@ -1,0 +1,201 @@
+"""The compiled front of op-level capture (optional): a C++ dispatcher hook that records the common
+op call without entering Python, the Python :class:`~.dispatch.OpCaptureMode` kept for every
+other call and as the oracle (``engine="compiled"``; docs/capture.md, "The compiled engine").
+
+The hook (``csrc/op_hook.cpp``, built with ``torch.utils.cpp_extension`` on first use, cached
+on disk) sits on a dispatch key held in thread-local state, above autograd. For a call the
+Python side marks recordable (no write, not a collective; :meth:`CompiledOps._describe`, once
+per op), while the session would record it (:meth:`CompiledOps._gate`, once per call), with
+every tensor argument a plain CPU tensor, it records the call itself: a small floating tensor as
+a private copy that :meth:`CompiledOps.drain` measures later with the same statistics kernel, any
+other tensor measured at once through :class:`~.stats.StatsBatch`. The Python mode never sees
+that call. The events reach the recorder in execution order: whatever the Python side records
+next (a module, an op of its own, a read-back) drains the hook's events first.
+
+What it records is what the Python path records, bit for bit
+(``tests/capture/test_compiled_engine.py``): the same events, call numbers, statistics.
+Statistics mode only; without a C++ compiler, or in another mode, capture uses the Python path
+(``meta.json``: ``capture_engine``).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from .dispatch import OpCaptureMode
+
+__all__ = ["ENGINES", "load", "unavailable_reason", "CompiledOps"]
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("python", "compiled")
+_SOURCE = Path(__file__).with_name("csrc") / "op_hook.cpp"
+_SLOW, _PASS, _RECORD = 0, 1, 2  # the hook's codes (op_hook.cpp)
+BATCH = 256  # events the hook holds before it hands them over
+_EXT: Any = None
+_ERROR: Optional[str] = None
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _build_dir() -> Path:
+    digest = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:12]
+    root = os.environ.get("PRECISIONDIFF_BUILD_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precisiondiff")
+    path = Path(root) / f"op_hook-torch{torch.__version__.split('+')[0]}-{digest}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load() -> Any:
+    """The compiled hook's module, built on first use (~30-60 s; then loaded from the cache), or
+    None when it cannot be built here (:func:`unavailable_reason` says why). Never raises."""
+    global _EXT, _ERROR
+    if _EXT is not None or _ERROR is not None:
+        return _EXT
+    try:
+        from torch.utils.cpp_extension import load as build
+        _EXT = build(name="precisiondiff_op_hook", sources=[str(_SOURCE)], build_directory=str(_build_dir()),
+                     extra_cflags=["-O2"], verbose=False)
+    except Exception as err:  # noqa: BLE001 - no compiler, no headers, a failed build: the Python path
+        _ERROR = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        log.warning("capture's compiled engine is unavailable (%s): using the Python path", _ERROR)
+    return _EXT
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`load` returned None (None when it has not failed)."""
+    return _ERROR
+
+
+class CompiledOps:
+    """The compiled hook bound to one :class:`~.dispatch.OpCaptureMode` (one session).
+
+    Args:
+        mode: the session's op mode: its op descriptions, scope filter and recorder.
+        ext: the module :func:`load` returned.
+    """
+
+    def __init__(self, mode: "OpCaptureMode", ext: Any) -> None:
+        self.mode = mode
+        self.ext = ext
+        self._keys: List[Tuple[str, bool]] = []
+        self._key_ids: Dict[Tuple[str, bool], int] = {}
+        self._draining = False
+        self._on = False
+        from . import stats_kernel
+        entries = stats_kernel.c_entries() if mode.session.recorder._stats.fast else None
+        order = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        # without numba's C entry points every tensor is measured through StatsBatch (slower)
+        kernels = [entries["functions"][d] for d in order] if entries else []
+        infinities = [entries["infinities"][d] for d in order] if entries else []
+        ext.configure(self._gate, self._describe, self._measure, self.drain,
+                      (torch.Tensor, torch.nn.Parameter), kernels, infinities,
+                      entries["table"] if entries else 0, entries["cumulative"] if entries else 0, BATCH)
+
+    # -- the hook's callbacks (errors become capture errors: never the workload's) ---------------
+    def _describe(self, qualified: str, overload: str) -> int:
+        """What the hook does with every call of op ``qualified.overload``: record it, let it
+        pass (nothing recorded, nothing to note), or leave it to the Python mode."""
+        try:
+            namespace, _, name = qualified.partition(".")
+            func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+            info = self.mode._info.get(func) or self.mode._describe(func)
+        except Exception as err:  # noqa: BLE001 - an op torch.ops cannot name: the Python mode
+            log.debug("compiled capture leaves %s.%s to the Python mode: %s", qualified, overload, err)
+            return _SLOW
+        if info.hop or info.writes or info.collective or info.outs or info.overwrites_self \
+                or info.uninitialized or info.mutable:
+            return _SLOW
+        return _RECORD if info.name else _PASS
+
+    def _gate(self) -> int:
+        """Per call: the id of (scope, backward) the hook records it under, or -1 when the
+        Python mode must see it (the session paused or not recording, a collective in flight, an
+        uninitialized buffer live, an optimizer update, a scope filtered out)."""
+        try:
+            mode = self.mode
+            session = mode.session
+            if mode.deferred.items or mode._pending or session.paused or not session.recording:
+                return -1
+            updates = session._updates
+            if updates is not None and updates.stack:
+                return -1
+            backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+            if backward:
+                scope = session.current_scope(True)
+            else:
+                stack = session._stack
+                scope = stack[-1] if stack else ""
+            wanted = mode._scopes.get(scope)
+            if wanted is None:
+                wanted = mode._scopes[scope] = session.filter.want_scope(scope)
+            if not wanted:
+                return -1
+            key = (scope, backward)
+            found = self._key_ids.get(key)
+            if found is None:
+                found = self._key_ids[key] = len(self._keys)
+                self._keys.append(key)
+            return found
+        except Exception as err:  # noqa: BLE001
+            self.mode.session.capture_failed(err)
+            return -1
+
+    def _measure(self, t: torch.Tensor) -> int:
+        """A statistics handle for a tensor the hook does not copy (large, or not floating)."""
+        return self.mode.session.recorder._stats.add(t)
+
+    # -- the session's side ------------------------------------------------------------------------
+    def enable(self, on: bool) -> None:
+        """Turn the hook on or off on this thread (with the op mode's enter and exit)."""
+        self._on = on
+        self.ext.enable(on)
+
+    def drain(self) -> None:
+        """Hand the hook's events to the recorder, in order: numbered, measured, finished."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            events, rows, words, numels = self.ext.drain()
+            if not events:
+                return
+            rec = self.mode.session.recorder
+            # handle -(i + 1): the i-th result the hook's kernel calls wrote
+            first = rec._stats.put_fused(rows, words, numels) - 1
+            keys = self._keys
+            for name, key, tensors in events:
+                scope, backward = keys[key]
+                ev = rec.begin("op", scope, name, "backward" if backward else "forward")
+                ev.tensors = [(slot, dtype, shape, None, h if h >= 0 else first - h, None)
+                              for slot, dtype, shape, h in tensors]
+                if tensors:
+                    ev.device = "cpu"
+                rec.finish(ev)
+        except Exception as err:  # noqa: BLE001
+            self.mode.session.capture_failed(err)
+        finally:
+            self._draining = False
+        self._check()
+
+    def _check(self) -> None:
+        error = self.ext.counts()[2]
+        if error:
+            self.mode.session.capture_failed(RuntimeError(f"compiled capture: {error}"))
+
+    def counts(self) -> Dict[str, int]:
+        """Calls recorded by the hook and calls it left to the Python mode."""
+        fast, slow, _ = self.ext.counts()
+        return {"compiled_events": int(fast), "python_calls": int(slow)}
+
+    def close(self) -> None:
+        """Drain, then release the hook's references to this session."""
+        self.enable(False)
+        self.drain()
+        self.ext.reset()

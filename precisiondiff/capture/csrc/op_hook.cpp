@@ -1,0 +1,384 @@
+// The compiled front of op-level capture (precisiondiff/capture/compiled.py).
+//
+// A boxed fallback on a dispatch key held in thread-local state sees every op call before
+// autograd. For the common op (no write, plain CPU tensors of a fused dtype) it records the call
+// itself: the inputs before the op runs and the outputs after, small tensors as private copies
+// (measured later, in batch, by the same statistics kernel as the Python path) and large ones
+// measured at once through a Python callback. The op then runs with the Python dispatch key
+// excluded, so the Python TorchDispatchMode (still pushed) never sees it. Every other op, and
+// every op while the Python side says so (paused, a collective in flight...), goes on to that
+// mode: the Python path stays the oracle and the fallback, per op.
+//
+// A CompositeImplicitAutograd op is not recorded: it decomposes at the autograd key and its
+// parts come back here one by one, as the Python mode (below autograd) sees them.
+//
+// The key is c10's TESTING_ONLY_GenericMode: the one functionality key reserved for a mode
+// enabled through TLS; nothing else in PyTorch registers to it (its comment asks tests only to
+// use it, within one process: capture owns it while a session runs, in this process).
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/DynamicTypes.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr auto kHook = c10::DispatchKey::TESTING_ONLY_GenericMode;
+
+enum Code : int { kSlow = 0, kPass = 1, kRecord = 2, kComposite = 3 };
+
+struct Entry {
+  py::object slot;     // "input.0" ...
+  py::object dtype;    // torch.dtype
+  std::vector<int64_t> shape;
+  int64_t handle = -1; // a StatsBatch handle, or -(row + 1): a row of the kernel's results here
+};
+
+struct Event {
+  py::object name;
+  int64_t key;
+  std::vector<Entry> tensors;
+};
+
+// The fused statistics kernel's C entry point (capture/_stats_jit.py, cstats_*): the tensor's
+// address and element count, then the addresses of its infinities' keys, the salt table, its
+// prefix sums, the 7 float64 results and the 2 fingerprint words.
+using StatsFn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+struct State {
+  bool on = false;
+  py::object gate;      // () -> int: key id (scope, direction), or -1: the Python mode records it
+  py::object describe;  // (qualified name, overload) -> Code
+  py::object measure;   // (tensor) -> statistics handle (large tensors)
+  py::object drain_cb;  // () -> None: Python takes the pending events now
+  py::object plain_types;  // (torch.Tensor, torch.nn.Parameter)
+  std::vector<PyObject*> plain_type_ptrs;  // the same, read without the GIL
+  std::unordered_map<const void*, int> codes;
+  std::unordered_map<const void*, py::object> names;
+  std::vector<py::object> input_slots, output_slots;
+  std::unordered_map<int, py::object> dtypes;
+  std::vector<Event> pending;
+  StatsFn kernels[4] = {nullptr, nullptr, nullptr, nullptr};  // float32, float64, bfloat16, float16
+  int64_t infinities[4] = {0, 0, 0, 0};
+  int64_t table = 0, cumulative = 0;
+  std::vector<double> rows;     // 7 per tensor measured here, since the last drain
+  std::vector<uint64_t> words;  // 2 per tensor
+  std::vector<int64_t> numels;
+  size_t batch = 256;
+  int64_t fast_events = 0, slow_calls = 0;
+  std::string error;
+};
+
+State& state() {
+  static State* s = new State();  // never destroyed: Python objects outlive no interpreter
+  return *s;
+}
+
+const c10::DispatchKeySet kPythonKeys = c10::DispatchKeySet(
+    {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot});
+const c10::DispatchKeySet kMine = c10::DispatchKeySet(kHook);
+
+// Redispatch below this hook, with the Python mode seeing the op (it records it, or not).
+void to_python(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard guard(kMine);
+  op.redispatchBoxed(ks - kMine, stack);
+}
+
+// Redispatch below this hook with the Python mode out of the way (the op is recorded here).
+void unseen(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard guard(kMine | kPythonKeys);
+  op.redispatchBoxed(ks - kMine - kPythonKeys, stack);
+}
+
+int code_of(State& s, const c10::OperatorHandle& op) {
+  const void* id = &op.schema();
+  auto it = s.codes.find(id);
+  if (it != s.codes.end()) return it->second;
+  int code;
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+    code = kComposite;
+  } else {
+    const auto& name = op.schema().name();
+    auto sep = name.find("::");
+    std::string qualified = name.substr(0, sep) + "." + name.substr(sep + 2);
+    std::string overload = op.schema().overload_name().empty() ? "default" : op.schema().overload_name();
+    code = py::cast<int>(s.describe(qualified, overload));
+    if (code == kRecord) s.names[id] = py::str(qualified + "." + overload);
+  }
+  s.codes[id] = code;
+  return code;
+}
+
+// Whether the compiled path can record a call with this tensor argument (else the call goes to
+// the Python mode): a CPU tensor with strides, of no Python subclass but Parameter.
+bool plain(State& s, const at::Tensor& t) {
+  // a negative or conjugate view is resolved below autograd by a clone the Python mode records
+  if (!t.defined() || !t.device().is_cpu() || t.layout() != c10::kStrided || t.is_neg() || t.is_conj() ||
+      t.key_set().has(c10::DispatchKey::Python))
+    return false;
+  PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  if (obj != nullptr) {  // a Python subclass has its own rules (local_view)
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+    bool known = false;
+    for (PyObject* cls : s.plain_type_ptrs) known = known || cls == type;
+    if (!known) return false;
+  }
+  return true;
+}
+
+int kernel_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kDouble: return 1;
+    case at::kBFloat16: return 2;
+    case at::kHalf: return 3;
+    default: return -1;
+  }
+}
+
+// The tensors of an argument or a result, in the order the Python mode flattens them. A wrapped
+// number (``x / 4.0``) reaches Python as the number: not a tensor there, not one here.
+template <typename F>
+void each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    if (!(t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number())) f(t);
+  } else if (v.isTensorList()) {
+    for (const auto& t : v.toTensorList()) f(static_cast<at::Tensor>(t));
+  } else if (v.isList()) {
+    for (const auto& e : v.toListRef()) each_tensor(e, f);
+  } else if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) each_tensor(e, f);
+  }
+}
+
+py::object slot_name(std::vector<py::object>& cache, const char* prefix, size_t i) {
+  while (cache.size() <= i) cache.push_back(py::str(std::string(prefix) + std::to_string(cache.size())));
+  return cache[i];
+}
+
+py::object dtype_of(State& s, const at::Tensor& t) {
+  int k = static_cast<int>(t.scalar_type());
+  auto it = s.dtypes.find(k);
+  if (it != s.dtypes.end()) return it->second;
+  py::object d = py::reinterpret_borrow<py::object>(
+      reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())));
+  s.dtypes[k] = d;
+  return d;
+}
+
+// Record ``t``: a floating tensor is measured here by the fused kernel (a strided one read in
+// row-major order, as the Python path's NumPy copy reads it); any other (an integer, a negative
+// view, an empty tensor) through the Python side's StatsBatch, as the Python path measures it.
+void add(State& s, Event& ev, py::object slot, const at::Tensor& t) {
+  Entry e;
+  e.slot = std::move(slot);
+  e.dtype = dtype_of(s, t);
+  e.shape = t.sizes().vec();
+  int k = kernel_of(t);
+  int64_t n = t.numel();
+  if (k >= 0 && s.kernels[k] != nullptr && n > 0 && !t.is_neg() && !t.is_conj()) {
+    at::Tensor src = t.is_contiguous() ? t : t.contiguous();
+    size_t row = s.numels.size();
+    s.rows.resize(7 * (row + 1));
+    s.words.resize(2 * (row + 1));
+    s.kernels[k](reinterpret_cast<int64_t>(src.data_ptr()), n, s.infinities[k], s.table, s.cumulative,
+                 reinterpret_cast<int64_t>(&s.rows[7 * row]), reinterpret_cast<int64_t>(&s.words[2 * row]));
+    s.numels.push_back(n);
+    e.handle = -static_cast<int64_t>(row) - 1;
+  } else {
+    e.handle = py::cast<int64_t>(s.measure(t));
+  }
+  ev.tensors.push_back(std::move(e));
+}
+
+void fail(State& s, const std::exception& err) {
+  s.on = false;  // the Python mode records everything from here on; Python reads the error
+  s.error = err.what();
+}
+
+void hook(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  State& s = state();
+  if (!s.on) return to_python(op, ks, stack);
+  int code;
+  int64_t key = -1;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      code = code_of(s, op);
+      if (code == kComposite) {
+        // its parts come back through this hook
+      } else if (code != kSlow) {
+        key = py::cast<int64_t>(s.gate());
+      }
+    } catch (const std::exception& err) {
+      fail(s, err);
+      code = kSlow;
+    }
+  }
+  if (code == kComposite) {
+    if (!ks.has_any(c10::autograd_dispatch_keyset)) {
+      // no autograd key (a factory call, inference mode): the op itself may reach the Python
+      // mode, which then records it and not its parts, as without this hook
+      s.slow_calls++;
+      return to_python(op, ks, stack);
+    }
+    op.redispatchBoxed(ks - kMine, stack);  // decomposed at the autograd key; the parts come back here
+    return;
+  }
+  if (code == kSlow || key < 0) {
+    s.slow_calls++;
+    return to_python(op, ks, stack);
+  }
+  if (code == kPass) return unseen(op, ks, stack);
+  // kRecord: every tensor argument must be one the compiled path measures
+  const auto& schema = op.schema();
+  size_t n_args = schema.arguments().size();
+  auto args = torch::jit::last(*stack, n_args);
+  bool ok = true;
+  for (const auto& a : args) each_tensor(a, [&](const at::Tensor& t) { ok = ok && plain(s, t); });
+  if (!ok) {
+    s.slow_calls++;
+    return to_python(op, ks, stack);
+  }
+  Event ev;
+  {
+    py::gil_scoped_acquire gil;
+    c10::impl::ExcludeDispatchKeyGuard guard(kMine | kPythonKeys);
+    at::NoGradGuard no_grad;
+    try {
+      ev.name = s.names.at(&schema);
+      ev.key = key;
+      std::vector<const c10::TensorImpl*> seen;
+      size_t i = 0;
+      for (const auto& a : args) {
+        each_tensor(a, [&](const at::Tensor& t) {
+          size_t index = i++;
+          const auto* impl = t.unsafeGetTensorImpl();
+          for (auto* other : seen)
+            if (other == impl) return;
+          seen.push_back(impl);
+          add(s, ev, slot_name(s.input_slots, "input.", index), t);
+        });
+      }
+    } catch (const std::exception& err) {
+      fail(s, err);
+      return to_python(op, ks, stack);
+    }
+  }
+  unseen(op, ks, stack);
+  size_t n_out = schema.returns().size();
+  auto outs = torch::jit::last(*stack, n_out);
+  py::gil_scoped_acquire gil;
+  c10::impl::ExcludeDispatchKeyGuard guard(kMine | kPythonKeys);
+  at::NoGradGuard no_grad;
+  try {
+    size_t i = 0;
+    for (const auto& o : outs) {
+      each_tensor(o, [&](const at::Tensor& t) { add(s, ev, slot_name(s.output_slots, "output.", i++), t); });
+    }
+    s.pending.push_back(std::move(ev));
+    s.fast_events++;
+    if (s.pending.size() >= s.batch) s.drain_cb();
+  } catch (const std::exception& err) {
+    fail(s, err);
+  }
+}
+
+// -- the Python side's interface ---------------------------------------------------------------
+
+void configure(py::object gate, py::object describe, py::object measure, py::object drain_cb,
+               py::object plain_types, std::vector<int64_t> kernels, std::vector<int64_t> infinities,
+               int64_t table, int64_t cumulative, int64_t batch) {
+  State& s = state();
+  s.gate = gate;
+  s.describe = describe;
+  s.measure = measure;
+  s.drain_cb = drain_cb;
+  s.plain_types = plain_types;
+  s.plain_type_ptrs.clear();
+  for (auto cls : plain_types) s.plain_type_ptrs.push_back(cls.ptr());
+  for (int k = 0; k < 4; ++k) {
+    s.kernels[k] = k < static_cast<int>(kernels.size()) ? reinterpret_cast<StatsFn>(kernels[k]) : nullptr;
+    s.infinities[k] = k < static_cast<int>(infinities.size()) ? infinities[k] : 0;
+  }
+  s.table = table;
+  s.cumulative = cumulative;
+  s.rows.clear();
+  s.words.clear();
+  s.numels.clear();
+  s.batch = static_cast<size_t>(batch);
+  s.codes.clear();
+  s.names.clear();
+  s.pending.clear();
+  s.fast_events = s.slow_calls = 0;
+  s.error.clear();
+}
+
+void enable(bool on) {
+  state().on = on;
+  c10::impl::tls_set_dispatch_key_included(kHook, on);
+}
+
+// The events recorded since the last drain, [(name, key, [(slot, dtype, shape, handle)])], and
+// the kernel's results they refer to: (events, rows: 7 floats each, words: 2 each, numels).
+py::tuple drain() {
+  State& s = state();
+  py::list out;
+  std::vector<Event> events;
+  events.swap(s.pending);
+  for (auto& ev : events) {
+    py::list tensors;
+    for (auto& e : ev.tensors) {
+      py::tuple shape(e.shape.size());
+      for (size_t k = 0; k < e.shape.size(); ++k) shape[k] = py::int_(e.shape[k]);
+      tensors.append(py::make_tuple(e.slot, e.dtype, shape, e.handle));
+    }
+    out.append(py::make_tuple(ev.name, ev.key, tensors));
+  }
+  py::list rows(s.rows.size()), words(s.words.size()), numels(s.numels.size());
+  for (size_t i = 0; i < s.rows.size(); ++i) rows[i] = py::float_(s.rows[i]);
+  for (size_t i = 0; i < s.words.size(); ++i) words[i] = py::int_(s.words[i]);
+  for (size_t i = 0; i < s.numels.size(); ++i) numels[i] = py::int_(s.numels[i]);
+  s.rows.clear();
+  s.words.clear();
+  s.numels.clear();
+  return py::make_tuple(out, rows, words, numels);
+}
+
+size_t pending() { return state().pending.size(); }
+
+py::tuple counts() {
+  State& s = state();
+  return py::make_tuple(s.fast_events, s.slow_calls, s.error);
+}
+
+void reset() {
+  State& s = state();
+  enable(false);
+  s.pending.clear();
+  s.rows.clear();
+  s.words.clear();
+  s.numels.clear();
+  s.gate = s.describe = s.measure = s.drain_cb = s.plain_types = py::object();
+  s.plain_type_ptrs.clear();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&hook>());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("configure", &configure);
+  m.def("enable", &enable);
+  m.def("drain", &drain);
+  m.def("pending", &pending);
+  m.def("counts", &counts);
+  m.def("reset", &reset);
+}
