@@ -84,7 +84,7 @@ class CompiledOps:
     def __init__(self, mode: "OpCaptureMode", ext: Any) -> None:
         self.mode = mode
         self.ext = ext
-        self._keys: List[Tuple[str, bool]] = []
+        self._keys: List[Tuple[str, str]] = []  # (scope, direction) by the hook's key id
         self._key_ids: Dict[Tuple[str, bool], int] = {}
         self._draining = False
         self._on = False
@@ -141,7 +141,8 @@ class CompiledOps:
             found = self._key_ids.get(key)
             if found is None:
                 found = self._key_ids[key] = len(self._keys)
-                self._keys.append(key)
+                self._keys.append((scope, "backward" if backward else "forward"))
+                self.ext.add_key(found, *self._keys[found])
             return found
         except Exception as err:  # noqa: BLE001
             self.mode.session.capture_failed(err)
@@ -163,21 +164,19 @@ class CompiledOps:
             return
         self._draining = True
         try:
-            events, rows, words, numels = self.ext.drain()
-            if not events:
+            idents = self.ext.idents()
+            if not idents:
                 return
             rec = self.mode.session.recorder
-            # handle -(i + 1): the i-th result the hook's kernel calls wrote
-            first = rec._stats.put_fused(rows, words, numels) - 1
-            keys = self._keys
-            for name, key, tensors in events:
-                scope, backward = keys[key]
-                ev = rec.begin("op", scope, name, "backward" if backward else "forward")
-                ev.tensors = [(slot, dtype, shape, None, h if h >= 0 else first - h, None)
-                              for slot, dtype, shape, h in tensors]
-                if tensors:
-                    ev.device = "cpu"
-                rec.finish(ev)
+            counters, calls = rec._calls, []
+            for ident in idents:  # call numbers from the counters the Python mode's events use too
+                call = counters.get(ident, 0)
+                counters[ident] = call + 1
+                calls.append(call)
+            step, multi = rec.step, rec.multi_step
+            prefix = f"step{step}/" if multi is True or (multi is None and step > 0) else ""
+            events, fixups = self.ext.build(calls, rec.seq, step, rec.rank, prefix)
+            rec.add_records(events, fixups)
         except Exception as err:  # noqa: BLE001
             self.mode.session.capture_failed(err)
         finally:

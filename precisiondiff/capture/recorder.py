@@ -190,7 +190,7 @@ class Recorder:
         self._calls: Dict[tuple, int] = {}
         self._stats = StatsBatch()
         self._last: Optional[tuple] = None  # (tensor, version, identity, data_key, handle) last recorded
-        self._pending: List[PendingEvent] = []
+        self._pending: List[Any] = []  # PendingEvent, or a record formatted elsewhere (add_records)
         # Host copies not yet handed to the sink. The first emitted event that references a copy
         # carries it: a module's inputs are recorded when it starts but it finishes (and is
         # numbered) after the ops inside it, which may reference the same tensors.
@@ -206,6 +206,7 @@ class Recorder:
         # called before an event is begun or a batch is read back: the compiled engine hands over
         # the calls it recorded meanwhile, so that events keep their execution order
         self.before_events: Optional[Any] = None
+        self._fixups: List[tuple] = []  # (record, handle) of events formatted elsewhere (add_records)
 
     @property
     def stores_data(self) -> bool:
@@ -436,6 +437,18 @@ class Recorder:
                 or self._data_bytes > self.host_bytes):
             self.flush()
 
+    def add_records(self, events: List[dict], fixups: List[tuple]) -> None:
+        """Op events recorded and formatted elsewhere (the compiled engine's hook: numbered from
+        this recorder's counters, sequence numbers from :attr:`seq` on), queued in order with the
+        events recorded here. ``fixups``: ``(tensor record, statistics handle)`` for tensors
+        measured through this recorder's :class:`StatsBatch`, filled at the read-back."""
+        self.seq += len(events)
+        self._pending.extend(events)
+        self._fixups.extend(fixups)
+        if (len(self._pending) >= self.batch_events or self._stats.pending_elements > self.batch_elements
+                or self._data_bytes > self.host_bytes):
+            self.flush()
+
     def flush(self) -> None:
         """Read back all queued statistics at once and emit pending events in order."""
         if self.before_events is not None:
@@ -450,7 +463,14 @@ class Recorder:
         batch = []
         rank = self.rank
         multi = self.multi_step
+        if self._fixups:
+            for record, handle in self._fixups:
+                record["stats"] = results.get(handle) or get(handle)
+            self._fixups.clear()
         for ev in pending:
+            if type(ev) is dict:  # formatted already (add_records)
+                batch.append((ev, {}))
+                continue
             tensors, data = [], {}
             step = ev.step
             prefix = (f"step{step}/" if multi is True or (multi is None and step > 0) else "") + \

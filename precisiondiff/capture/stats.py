@@ -260,23 +260,13 @@ class StatsBatch:
                 "fingerprint": _HEX(*fps[row])}
         self._fused.clear()
 
-    def put_fused(self, rows: List[float], words: List[int], numels: List[int]) -> int:
-        """Results the fused kernel computed elsewhere (the compiled capture engine's hook calls
-        its C entry points): ``rows`` 7 floats per tensor (as :func:`~.stats_kernel.stats_into`
-        writes them), ``words`` its fingerprint's 2 unsigned 64-bit words, ``numels`` its element
-        count. Formatted as :meth:`resolve` formats the kernel's rows; returns the first handle
-        (the others follow, in order)."""
+    def put_results(self, records: List[dict]) -> int:
+        """Statistics records computed elsewhere (the compiled capture engine's hook runs the
+        fused kernel through its C entry points and formats the rows as :meth:`resolve` does);
+        returns the first one's handle, the others follow in order."""
         first = self._next
-        self._next = first + len(numels)
-        results, sqrt, nan_ = self._results, math.sqrt, math.nan
-        for i, numel in enumerate(numels):
-            lo, hi, total, absolute, squares, nan, inf = rows[7 * i:7 * i + 7]
-            if nan:
-                lo = hi = nan_
-            results[first + i] = {
-                "min": lo, "max": hi, "mean": total / numel, "abs_mean": absolute / numel,
-                "norm": sqrt(squares), "nan": int(nan), "inf": int(inf),
-                "fingerprint": _HEX(words[2 * i], words[2 * i + 1])}
+        self._next = first + len(records)
+        self._results.update(zip(range(first, first + len(records)), records))
         return first
 
     def get(self, handle: int) -> dict:

@@ -21,7 +21,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/DynamicTypes.h>
 
-#include <mutex>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
 #include <unordered_map>
 #include <vector>
 
@@ -36,12 +39,18 @@ struct Entry {
   py::object dtype;    // torch.dtype
   std::vector<int64_t> shape;
   int64_t handle = -1; // a StatsBatch handle, or -(row + 1): a row of the kernel's results here
+  int code = 0;        // its ScalarType
 };
 
 struct Event {
-  py::object name;
-  int64_t key;
+  const void* op;  // the op's schema: names[op]
+  int64_t key;     // (scope, direction): keys[key]
   std::vector<Entry> tensors;
+};
+
+struct Key {  // a (scope, direction) the Python side's gate returned
+  std::string scope, direction;
+  py::object scope_obj, direction_obj;
 };
 
 // The fused statistics kernel's C entry point (capture/_stats_jit.py, cstats_*): the tensor's
@@ -59,6 +68,10 @@ struct State {
   std::vector<PyObject*> plain_type_ptrs;  // the same, read without the GIL
   std::unordered_map<const void*, int> codes;
   std::unordered_map<const void*, py::object> names;
+  std::unordered_map<const void*, std::string> name_strs;
+  std::vector<Key> keys;
+  std::map<std::pair<int64_t, const void*>, py::object> idents;  // ("op", scope, name, direction)
+  std::unordered_map<int, py::object> dtype_names;
   std::vector<py::object> input_slots, output_slots;
   std::unordered_map<int, py::object> dtypes;
   std::vector<Event> pending;
@@ -107,7 +120,10 @@ int code_of(State& s, const c10::OperatorHandle& op) {
     std::string qualified = name.substr(0, sep) + "." + name.substr(sep + 2);
     std::string overload = op.schema().overload_name().empty() ? "default" : op.schema().overload_name();
     code = py::cast<int>(s.describe(qualified, overload));
-    if (code == kRecord) s.names[id] = py::str(qualified + "." + overload);
+    if (code == kRecord) {
+      s.names[id] = py::str(qualified + "." + overload);
+      s.name_strs[id] = qualified + "." + overload;
+    }
   }
   s.codes[id] = code;
   return code;
@@ -178,6 +194,12 @@ void add(State& s, Event& ev, py::object slot, const at::Tensor& t) {
   Entry e;
   e.slot = std::move(slot);
   e.dtype = dtype_of(s, t);
+  int code = static_cast<int>(t.scalar_type());
+  if (s.dtype_names.find(code) == s.dtype_names.end()) {  // "float32": str(torch.float32) less "torch."
+    std::string full = py::str(e.dtype);
+    s.dtype_names[code] = py::str(full.rfind("torch.", 0) == 0 ? full.substr(6) : full);
+  }
+  e.code = code;
   e.shape = t.sizes().vec();
   int k = kernel_of(t);
   int64_t n = t.numel();
@@ -251,7 +273,7 @@ void hook(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Sta
     c10::impl::ExcludeDispatchKeyGuard guard(kMine | kPythonKeys);
     at::NoGradGuard no_grad;
     try {
-      ev.name = s.names.at(&schema);
+      ev.op = &schema;
       ev.key = key;
       std::vector<const c10::TensorImpl*> seen;
       size_t i = 0;
@@ -314,6 +336,9 @@ void configure(py::object gate, py::object describe, py::object measure, py::obj
   s.batch = static_cast<size_t>(batch);
   s.codes.clear();
   s.names.clear();
+  s.name_strs.clear();
+  s.keys.clear();
+  s.idents.clear();
   s.pending.clear();
   s.fast_events = s.slow_calls = 0;
   s.error.clear();
@@ -324,30 +349,124 @@ void enable(bool on) {
   c10::impl::tls_set_dispatch_key_included(kHook, on);
 }
 
-// The events recorded since the last drain, [(name, key, [(slot, dtype, shape, handle)])], and
-// the kernel's results they refer to: (events, rows: 7 floats each, words: 2 each, numels).
-py::tuple drain() {
+std::vector<py::object> interned(std::initializer_list<const char*> names) {
+  std::vector<py::object> out;
+  for (const char* n : names) {
+    PyObject* o = PyUnicode_InternFromString(n);
+    out.push_back(py::reinterpret_steal<py::object>(o));
+  }
+  return out;
+}
+
+// The statistics record of the i-th tensor the kernel measured, as StatsBatch formats the
+// kernel's rows (stats.py, _resolve_fused): the same keys in the same order, the same doubles
+// (IEEE division and square root are correctly rounded in C++ as in Python).
+py::dict stats_dict(State& s, size_t i) {
+  // never released: function statics are destroyed after the interpreter is gone
+  static py::object& nan = *new py::object(py::float_(std::numeric_limits<double>::quiet_NaN()));
+  static std::vector<py::object>& keys = *new std::vector<py::object>(interned(
+      {"min", "max", "mean", "abs_mean", "norm", "nan", "inf", "fingerprint"}));
+  const double* r = &s.rows[7 * i];
+  double n = static_cast<double>(s.numels[i]);
+  py::dict d;
+  bool has_nan = r[5] != 0.0;
+  d[keys[0]] = has_nan ? nan : py::float_(r[0]);
+  d[keys[1]] = has_nan ? nan : py::float_(r[1]);
+  d[keys[2]] = py::float_(r[2] / n);
+  d[keys[3]] = py::float_(r[3] / n);
+  d[keys[4]] = py::float_(std::sqrt(r[4]));
+  d[keys[5]] = py::int_(static_cast<int64_t>(r[5]));
+  d[keys[6]] = py::int_(static_cast<int64_t>(r[6]));
+  char hex[33];
+  std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(s.words[2 * i]),
+                static_cast<unsigned long long>(s.words[2 * i + 1]));
+  d[keys[7]] = py::str(hex, 32);
+  return d;
+}
+
+// The call identities of the events recorded since the last build, in order: the Python side's
+// ``("op", scope, name, direction)`` keys of its call counters (the same tuple objects each time).
+py::list idents() {
   State& s = state();
-  py::list out;
+  py::list out(s.pending.size());
+  size_t i = 0;
+  for (const auto& ev : s.pending) {
+    auto id = std::make_pair(ev.key, ev.op);
+    auto it = s.idents.find(id);
+    if (it == s.idents.end()) {
+      const Key& k = s.keys.at(ev.key);
+      it = s.idents.emplace(id, py::make_tuple("op", k.scope_obj, s.names.at(ev.op), k.direction_obj)).first;
+    }
+    out[i++] = it->second;
+  }
+  return out;
+}
+
+// The records of the events recorded since the last build, as Recorder.flush writes them (the
+// same keys in the same order), with their call numbers ``calls`` (from the Python side's
+// counters, in the order of :func:`idents`), sequence numbers from ``first_seq``, ``step``,
+// ``rank`` and ``step_prefix`` ("step{N}/" or ""). A tensor measured through StatsBatch gets its
+// statistics at the read-back: (record, handle) in ``fixups``. Returns (events, fixups).
+py::tuple build(const std::vector<int64_t>& calls, int64_t first_seq, int64_t step, int64_t rank,
+                const std::string& step_prefix) {
+  State& s = state();
+  static std::vector<py::object>& f = *new std::vector<py::object>(interned(
+      {"seq", "step", "rank", "kind", "scope", "name", "direction", "call", "device", "tensors", "args",
+       "key", "slot", "dtype", "shape", "stats", "data_key", "op", "cpu"}));
   std::vector<Event> events;
   events.swap(s.pending);
-  for (auto& ev : events) {
-    py::list tensors;
-    for (auto& e : ev.tensors) {
-      py::tuple shape(e.shape.size());
-      for (size_t k = 0; k < e.shape.size(); ++k) shape[k] = py::int_(e.shape[k]);
-      tensors.append(py::make_tuple(e.slot, e.dtype, shape, e.handle));
+  py::list out, fixups;
+  py::object step_obj = py::int_(step), rank_obj = py::int_(rank);
+  int64_t seq = first_seq;
+  for (size_t i = 0; i < events.size(); ++i) {
+    Event& ev = events[i];
+    if (ev.tensors.empty()) continue;  // numbered, not emitted (Recorder.finish)
+    const Key& k = s.keys.at(ev.key);
+    std::string prefix = step_prefix + k.scope + "/" + s.name_strs.at(ev.op) + "#" + std::to_string(calls.at(i)) +
+                         ":" + k.direction + ":";
+    py::list tensors(ev.tensors.size());
+    for (size_t j = 0; j < ev.tensors.size(); ++j) {
+      Entry& e = ev.tensors[j];
+      py::list shape(e.shape.size());
+      for (size_t d = 0; d < e.shape.size(); ++d) shape[d] = py::int_(e.shape[d]);
+      py::dict r;
+      r[f[11]] = py::str(prefix + std::string(py::str(e.slot)));
+      r[f[12]] = e.slot;
+      r[f[13]] = s.dtype_names.at(e.code);
+      r[f[14]] = shape;
+      if (e.handle < 0) {
+        r[f[15]] = stats_dict(s, static_cast<size_t>(-e.handle - 1));
+      } else {
+        r[f[15]] = py::none();
+        fixups.append(py::make_tuple(r, e.handle));
+      }
+      r[f[16]] = py::none();
+      tensors[j] = r;
     }
-    out.append(py::make_tuple(ev.name, ev.key, tensors));
+    py::dict d;
+    d[f[0]] = py::int_(seq++);
+    d[f[1]] = step_obj;
+    d[f[2]] = rank_obj;
+    d[f[3]] = f[17];
+    d[f[4]] = k.scope_obj;
+    d[f[5]] = s.names.at(ev.op);
+    d[f[6]] = k.direction_obj;
+    d[f[7]] = py::int_(calls.at(i));
+    d[f[8]] = f[18];
+    d[f[9]] = tensors;
+    d[f[10]] = py::none();
+    out.append(d);
   }
-  py::list rows(s.rows.size()), words(s.words.size()), numels(s.numels.size());
-  for (size_t i = 0; i < s.rows.size(); ++i) rows[i] = py::float_(s.rows[i]);
-  for (size_t i = 0; i < s.words.size(); ++i) words[i] = py::int_(s.words[i]);
-  for (size_t i = 0; i < s.numels.size(); ++i) numels[i] = py::int_(s.numels[i]);
   s.rows.clear();
   s.words.clear();
   s.numels.clear();
-  return py::make_tuple(out, rows, words, numels);
+  return py::make_tuple(out, fixups);
+}
+
+void add_key(int64_t id, const std::string& scope, const std::string& direction) {
+  State& s = state();
+  if (static_cast<int64_t>(s.keys.size()) != id) throw std::runtime_error("keys out of order");
+  s.keys.push_back(Key{scope, direction, py::str(scope), py::str(direction)});
 }
 
 size_t pending() { return state().pending.size(); }
@@ -377,7 +496,9 @@ TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &configure);
   m.def("enable", &enable);
-  m.def("drain", &drain);
+  m.def("idents", &idents);
+  m.def("build", &build);
+  m.def("add_key", &add_key);
   m.def("pending", &pending);
   m.def("counts", &counts);
   m.def("reset", &reset);
