@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .dispatch import _in_hop_compile
+
 if TYPE_CHECKING:
     from .dispatch import OpCaptureMode
 
-__all__ = ["ENGINES", "load", "unavailable_reason", "CompiledOps"]
+__all__ = ["ENGINES", "load", "held", "unavailable_reason", "CompiledOps"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,9 @@ _SLOW, _PASS, _RECORD = 0, 1, 2  # the hook's codes (op_hook.cpp)
 BATCH = 256  # events the hook holds before it hands them over
 _EXT: Any = None
 _ERROR: Optional[str] = None
+_HELD: "Optional[CompiledOps]" = None  # the session holding the hook (its state is process-wide)
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+_HOPS = getattr(torch._ops, "_higher_order_ops", {})  # name -> HigherOrderOperator, as torch builds them
 
 
 def _build_dir() -> Path:
@@ -68,6 +72,11 @@ def load() -> Any:
     return _EXT
 
 
+def held() -> "Optional[CompiledOps]":
+    """The compiled hook of the capture session using it, if one is (the hook is process-wide)."""
+    return _HELD
+
+
 def unavailable_reason() -> Optional[str]:
     """Why :func:`load` returned None (None when it has not failed)."""
     return _ERROR
@@ -82,12 +91,17 @@ class CompiledOps:
     """
 
     def __init__(self, mode: "OpCaptureMode", ext: Any) -> None:
+        global _HELD
+        if _HELD is not None:
+            raise RuntimeError("another capture session holds the compiled hook")
+        _HELD = self
         self.mode = mode
         self.ext = ext
         self._keys: List[Tuple[str, str]] = []  # (scope, direction) by the hook's key id
         self._key_ids: Dict[Tuple[str, bool], int] = {}
         self._draining = False
         self._on = False
+        self._hops_known = -1
         from . import stats_kernel
         entries = stats_kernel.c_entries() if mode.session.recorder._stats.fast else None
         order = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -121,7 +135,8 @@ class CompiledOps:
         try:
             mode = self.mode
             session = mode.session
-            if mode.deferred.items or mode._pending or session.paused or not session.recording:
+            if mode.deferred.items or mode._pending or session.paused or not session.recording \
+                    or _in_hop_compile():
                 return -1
             updates = session._updates
             if updates is not None and updates.stack:
@@ -156,7 +171,25 @@ class CompiledOps:
     def enable(self, on: bool) -> None:
         """Turn the hook on or off on this thread (with the op mode's enter and exit)."""
         self._on = on
+        if on and len(_HOPS) != self._hops_known:
+            self._hops_fall_through()
         self.ext.enable(on)
+
+    def _hops_fall_through(self) -> None:
+        """Make every higher-order operator skip the hook's key. A HOP dispatches in Python from
+        the keys in thread-local state: the hook's key (which Python cannot name) would be the
+        highest and it has no Python kernel for it ("could not find kernel for HigherOrderOperator
+        ... at dispatch key DispatchKey.???"). The key is found as the difference the hook makes
+        to the include set; HOPs built later are handled at the next enable."""
+        before = torch._C._dispatch_tls_local_include_set()
+        self.ext.enable(True)
+        try:
+            ours = torch._C._dispatch_tls_local_include_set() - before
+        finally:
+            self.ext.enable(False)
+        for hop in list(_HOPS.values()):
+            hop.non_fallthrough_keys = hop.non_fallthrough_keys - ours
+        self._hops_known = len(_HOPS)
 
     def drain(self) -> None:
         """Hand the hook's events to the recorder, in order: numbered, measured, finished."""
@@ -195,6 +228,10 @@ class CompiledOps:
 
     def close(self) -> None:
         """Drain, then release the hook's references to this session."""
+        global _HELD
         self.enable(False)
-        self.drain()
-        self.ext.reset()
+        try:
+            self.drain()
+        finally:
+            self.ext.reset()
+            _HELD = None

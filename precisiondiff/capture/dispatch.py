@@ -156,6 +156,7 @@ def _skip_code(code: Any) -> None:
         from torch._dynamo.eval_frame import skip_code
         skip_code(code)
 _set_grad_enabled = torch._C._set_grad_enabled
+_OpOverload = torch._ops.OpOverload
 _is_grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 
@@ -287,6 +288,10 @@ class OpCaptureMode(TorchDispatchMode):
         return _set_eval_frame is None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        if self.compiled is not None and type(func) is not _OpOverload:
+            # a higher-order operator never passes the compiled hook: the ops of its subgraphs
+            # must not reach it either (this mode records the operator as one unit)
+            return self._dispatch_unhooked(func, args, kwargs)
         if _set_eval_frame is None:
             return self._dispatch(func, args, kwargs)
         prior = _set_eval_frame(None)
@@ -294,6 +299,19 @@ class OpCaptureMode(TorchDispatchMode):
             return self._dispatch(func, args, kwargs)
         finally:
             _set_eval_frame(prior)
+
+    def _dispatch_unhooked(self, func, args, kwargs):
+        self.compiled.enable(False)
+        try:
+            if _set_eval_frame is None:
+                return self._dispatch(func, args, kwargs)
+            prior = _set_eval_frame(None)
+            try:
+                return self._dispatch(func, args, kwargs)
+            finally:
+                _set_eval_frame(prior)
+        finally:
+            self.compiled.enable(True)
 
     if _set_eval_frame is not None:
         __torch_dispatch__._torchdynamo_disable = True  # type: ignore[attr-defined]

@@ -217,6 +217,8 @@ class CaptureSession(ModuleHooks):
                 self._mode.__enter__()
         except BaseException:
             self._remove_hooks()
+            self._stop_compiled()
+            self._resume_outer_hook()
             raise
         self._froze = _freeze_heap()
         return self
@@ -229,6 +231,7 @@ class CaptureSession(ModuleHooks):
             self._mode.__exit__(None, None, None)
             self._mode = None
         engine = self.engine_report = self._stop_compiled()
+        self._resume_outer_hook()
         self._remove_hooks()
         # Whatever stopped the run, what was recorded is written; capture's own errors become
         # notes (``errors``), never an exception replacing the workload's outcome.
@@ -267,11 +270,20 @@ class CaptureSession(ModuleHooks):
             gc.unfreeze()
 
     def _start_compiled(self) -> None:
-        """The compiled engine's hook bound to the op mode, when asked for and possible."""
+        """The compiled engine's hook bound to the op mode, when asked for and possible. A
+        session holding it already (this one runs inside it) steps aside until this one ends: its
+        hook would record the calls first and hide them from this session's mode (its own Python
+        mode, still pushed, records its calls meanwhile)."""
+        self._outer_hook = compiled.held()
+        if self._outer_hook is not None:
+            self._outer_hook.enable(False)
         if self.engine != "compiled" or self.mode != "stats":
             return
         ext = compiled.load()
         if ext is None:
+            return
+        if self._outer_hook is not None:  # one hook per process: the Python engine for this one
+            self._compiled_refused = "another capture session holds the compiled hook"
             return
         self._compiled = self._mode.compiled = CompiledOps(self._mode, ext)
         self.recorder.before_events = self._compiled.drain
@@ -283,12 +295,18 @@ class CaptureSession(ModuleHooks):
         if done is None:
             if self.engine == "python" or self.level == "module":
                 return None
-            why = "statistics mode only" if self.mode != "stats" else compiled.unavailable_reason()
+            why = "statistics mode only" if self.mode != "stats" else \
+                getattr(self, "_compiled_refused", None) or compiled.unavailable_reason()
             return {"name": "python", "asked": self.engine, "why": why}
         self._compiled = None
         done.close()
         self.recorder.before_events = None
         return {"name": "compiled", **done.counts()}
+
+    def _resume_outer_hook(self) -> None:
+        outer, self._outer_hook = getattr(self, "_outer_hook", None), None
+        if outer is not None:
+            outer.enable(True)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

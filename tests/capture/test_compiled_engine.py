@@ -177,3 +177,60 @@ def test_the_hooks_c_kernel_gives_the_python_paths_statistics_bit_for_bit(dtype,
     stats_kernel.stats_into(t, out, fps, 0)
     c_out, c_words = _c_stats(t)
     assert out[0].tobytes() == c_out.tobytes() and fps[0].tobytes() == c_words.tobytes()
+
+
+@needs_hook
+def test_a_session_inside_another_takes_the_python_engine():
+    outer_sink, inner_sink = MemorySink(), MemorySink()
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    with capture(model=a, sink=outer_sink, level="op", engine="compiled") as outer:
+        with capture(model=b, sink=inner_sink, level="op", engine="compiled") as inner:
+            b(torch.randn(2, 4))
+        a(torch.randn(2, 4))
+    assert inner.engine_report["name"] == "python" and "another capture session" in inner.engine_report["why"]
+    assert outer.engine_report["name"] == "compiled"
+    assert "aten.addmm.default" in {e["name"] for e in outer_sink.events}
+    assert "aten.addmm.default" in {e["name"] for e in inner_sink.events}
+
+
+@needs_hook
+def test_a_higher_order_operator_is_one_unit_under_the_compiled_engine():
+    """A HOP dispatches in Python from the thread's keys, where the hook's key has no kernel: it
+    falls through it, reaches the Python mode and is recorded as one unit, its subgraph's ops not."""
+    from torch._higher_order_ops.while_loop import while_loop
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def run():
+        with torch.no_grad():
+            return while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, lin(h).tanh()), (torch.tensor(0), x))
+    plain = run()
+    names = {}
+    for engine in ("python", "compiled"):
+        sink = MemorySink()
+        with capture(sink=sink, model=lin, level="op", engine=engine) as cap:
+            captured = run()
+        assert not cap.errors and all(torch.equal(a, b) for a, b in zip(plain, captured))
+        names[engine] = [e["name"] for e in sink.events]
+    assert "higher_order.while_loop" in names["compiled"] and names["compiled"] == names["python"]
+    assert "aten.tanh.default" not in names["compiled"]
+
+
+@needs_hook
+def test_a_backward_whose_mask_leaves_outputs_out_records_what_the_python_engine_records():
+    """``convolution_backward`` without the input's gradient returns an undefined tensor (None in
+    Python): not a recorded output, not counted in the slots' numbering."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3)
+    x = torch.randn(1, 2, 6, 6)
+    got = {}
+    for engine in ("python", "compiled"):
+        sink = MemorySink()
+        with capture(model=conv, sink=sink, level="op", engine=engine) as cap:
+            torch.autograd.grad(conv(x).sum(), list(conv.parameters()))
+        assert cap.engine_report is None or cap.engine_report["name"] == engine
+        got[engine] = sink.events
+    (bwd,) = [e for e in got["compiled"] if e["name"] == "aten.convolution_backward.default"]
+    assert [t["slot"] for t in bwd["tensors"] if t["slot"].startswith("output")] == ["output.0", "output.1"]
+    assert len(got["compiled"]) == len(got["python"]) and all(
+        repr(a) == repr(b) for a, b in zip(got["compiled"], got["python"]))

@@ -133,8 +133,9 @@ int code_of(State& s, const c10::OperatorHandle& op) {
 // the Python mode): a CPU tensor with strides, of no Python subclass but Parameter.
 bool plain(State& s, const at::Tensor& t) {
   // a negative or conjugate view is resolved below autograd by a clone the Python mode records
+  // (no storage: a functional or fake wrapper while something traces)
   if (!t.defined() || !t.device().is_cpu() || t.layout() != c10::kStrided || t.is_neg() || t.is_conj() ||
-      t.key_set().has(c10::DispatchKey::Python))
+      t.key_set().has(c10::DispatchKey::Python) || !t.has_storage())
     return false;
   PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
   if (obj != nullptr) {  // a Python subclass has its own rules (local_view)
@@ -161,8 +162,9 @@ int kernel_of(const at::Tensor& t) {
 template <typename F>
 void each_tensor(const c10::IValue& v, F&& f) {
   if (v.isTensor()) {
+    // an undefined tensor (an output a backward's mask left out) reaches Python as None
     const auto& t = v.toTensor();
-    if (!(t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number())) f(t);
+    if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) f(t);
   } else if (v.isTensorList()) {
     for (const auto& t : v.toTensorList()) f(static_cast<at::Tensor>(t));
   } else if (v.isList()) {
@@ -256,11 +258,20 @@ void hook(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Sta
     s.slow_calls++;
     return to_python(op, ks, stack);
   }
-  if (code == kPass) return unseen(op, ks, stack);
-  // kRecord: every tensor argument must be one the compiled path measures
   const auto& schema = op.schema();
   size_t n_args = schema.arguments().size();
   auto args = torch::jit::last(*stack, n_args);
+  if (code == kPass) {
+    // a subclass (a fake tensor while Dynamo traces, a DTensor) runs its own __torch_dispatch__
+    // below: the Python keys must stay for it
+    bool subclass = false;
+    for (const auto& a : args)
+      each_tensor(a, [&](const at::Tensor& t) {
+        subclass = subclass || (t.defined() && t.key_set().has(c10::DispatchKey::Python));
+      });
+    return subclass ? to_python(op, ks, stack) : unseen(op, ks, stack);
+  }
+  // kRecord: every tensor argument must be one the compiled path measures
   bool ok = true;
   for (const auto& a : args) each_tensor(a, [&](const at::Tensor& t) { ok = ok && plain(s, t); });
   if (!ok) {
@@ -289,9 +300,10 @@ void hook(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Sta
       }
     } catch (const std::exception& err) {
       fail(s, err);
-      return to_python(op, ks, stack);
+      ev.tensors.clear();  // its Python objects released while the GIL is held
     }
   }
+  if (!s.on) return to_python(op, ks, stack);  // the inputs could not be recorded
   unseen(op, ks, stack);
   size_t n_out = schema.returns().size();
   auto outs = torch::jit::last(*stack, n_out);
@@ -309,6 +321,7 @@ void hook(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Sta
   } catch (const std::exception& err) {
     fail(s, err);
   }
+  ev.tensors.clear();  // (moved from, or failed) before the GIL is released
 }
 
 // -- the Python side's interface ---------------------------------------------------------------
