@@ -190,9 +190,12 @@ def _repair_by_shape(pairs: List[Pair], un_a: List[int], un_b: List[int], a_ops:
         return pairs, un_a, un_b
     keep = [p for p in pairs if not (p.how == "exact" and ev_a[p.a].name in bad)]
     free_a, free_b = [i for i in un_a if ev_a[i].name not in bad], [j for j in un_b if ev_b[j].name not in bad]
-    for name in sorted(bad):  # every op of a bad name is in no kept pair (fused pairs hold other names)
-        side_a = sorted((i for i in ev_a if ev_a[i].name == name), key=lambda i: ev_a[i].seq)
-        side_b = sorted((j for j in ev_b if ev_b[j].name == name), key=lambda j: ev_b[j].seq)
+    # a fused pair may hold an op of a bad name on one side (an ``mm`` fused with a ``rsqrt``):
+    # that op stays in its pair and is not paired again
+    kept_a, kept_b = {p.a for p in keep}, {p.b for p in keep}
+    for name in sorted(bad):
+        side_a = sorted((i for i in ev_a if ev_a[i].name == name and i not in kept_a), key=lambda i: ev_a[i].seq)
+        side_b = sorted((j for j in ev_b if ev_b[j].name == name and j not in kept_b), key=lambda j: ev_b[j].seq)
         of_shape: Dict[Tuple, List[int]] = defaultdict(list)
         for j in side_b:
             of_shape[ev_b[j].out_shapes].append(j)

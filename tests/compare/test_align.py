@@ -70,6 +70,21 @@ def test_every_event_matched_or_unmatched_exactly_once(ab):
     assert len(al.order) == len(a) + len(b) - len(al.pairs)
 
 
+def test_an_op_in_a_fused_pair_is_not_paired_again_by_the_shape_repair():
+    """Found by the property above with a random seed: name order paired the two ``rsqrt`` with
+    different shapes (a repair by shape follows) and fused A's ``mm`` with B's second ``rsqrt``
+    (same shape); the repair paired that ``rsqrt`` a second time."""
+    def ev(i, name, call, shape, scope="blocks.0"):
+        return EventRef(index=i, seq=i, kind="op", scope=scope, name=name, direction="forward", call=call,
+                        step=0, out_shapes=(((shape,),),))
+    a = [ev(0, "aten.rsqrt", 0, 1), ev(1, "aten.mm", 0, 1, scope=""), ev(2, "aten.mm", 0, 1)]
+    b = [ev(0, "aten.rsqrt", 0, 2), ev(1, "aten.mm", 0, 1, scope=""), ev(2, "aten.rsqrt", 1, 1)]
+    al = align_events(a, b, check=False)
+    b_seen = sorted([p.b for p in al.pairs] + al.unmatched_b)
+    assert b_seen == [0, 1, 2]
+    assert len(al.order) == len(a) + len(b) - len(al.pairs)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(event, max_size=40))
 def test_identical_sequences_match_completely(raw):
