@@ -67,7 +67,10 @@ def load() -> Any:
         _EXT = build(name="precisiondiff_op_hook", sources=[str(_SOURCE)], build_directory=str(_build_dir()),
                      extra_cflags=["-O2"], verbose=False)
     except Exception as err:  # noqa: BLE001 - no compiler, no headers, a failed build: the Python path
-        _ERROR = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        text = f"{err}"
+        # the compiler's first error, not the command line ninja echoes first
+        first = next((line for line in text.splitlines() if "error" in line.lower() and ":" in line), "")
+        _ERROR = " ".join(f"{type(err).__name__}: {first.strip() or text}".split())[:300]
         log.warning("capture's compiled engine is unavailable (%s): using the Python path", _ERROR)
     return _EXT
 

@@ -362,38 +362,52 @@ void enable(bool on) {
   c10::impl::tls_set_dispatch_key_included(kHook, on);
 }
 
-std::vector<py::object> interned(std::initializer_list<const char*> names) {
-  std::vector<py::object> out;
-  for (const char* n : names) {
-    PyObject* o = PyUnicode_InternFromString(n);
-    out.push_back(py::reinterpret_steal<py::object>(o));
-  }
-  return out;
+// Raw CPython calls below: each record is built from ~20 objects per event, where pybind's
+// accessors cost several times the C API's (measured: 7.7 -> 1.5 us per event).
+static void put(PyObject* d, PyObject* key, PyObject* value) {  // steals ``value``
+  if (value == nullptr) throw py::error_already_set();
+  int rc = PyDict_SetItem(d, key, value);
+  Py_DECREF(value);
+  if (rc != 0) throw py::error_already_set();
+}
+
+static PyObject* keep(PyObject* o) {  // a borrowed reference as a new one
+  Py_INCREF(o);
+  return o;
+}
+
+static PyObject* intern(const char* name) {  // never released (module-lifetime constants)
+  return PyUnicode_InternFromString(name);
 }
 
 // The statistics record of the i-th tensor the kernel measured, as StatsBatch formats the
 // kernel's rows (stats.py, _resolve_fused): the same keys in the same order, the same doubles
 // (IEEE division and square root are correctly rounded in C++ as in Python).
-py::dict stats_dict(State& s, size_t i) {
-  // never released: function statics are destroyed after the interpreter is gone
-  static py::object& nan = *new py::object(py::float_(std::numeric_limits<double>::quiet_NaN()));
-  static std::vector<py::object>& keys = *new std::vector<py::object>(interned(
-      {"min", "max", "mean", "abs_mean", "norm", "nan", "inf", "fingerprint"}));
+PyObject* stats_dict(State& s, size_t i) {
+  static PyObject* nan = PyFloat_FromDouble(std::numeric_limits<double>::quiet_NaN());
+  static PyObject* keys[] = {intern("min"), intern("max"), intern("mean"), intern("abs_mean"), intern("norm"),
+                             intern("nan"), intern("inf"), intern("fingerprint")};
   const double* r = &s.rows[7 * i];
   double n = static_cast<double>(s.numels[i]);
-  py::dict d;
   bool has_nan = r[5] != 0.0;
-  d[keys[0]] = has_nan ? nan : py::float_(r[0]);
-  d[keys[1]] = has_nan ? nan : py::float_(r[1]);
-  d[keys[2]] = py::float_(r[2] / n);
-  d[keys[3]] = py::float_(r[3] / n);
-  d[keys[4]] = py::float_(std::sqrt(r[4]));
-  d[keys[5]] = py::int_(static_cast<int64_t>(r[5]));
-  d[keys[6]] = py::int_(static_cast<int64_t>(r[6]));
-  char hex[33];
-  std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(s.words[2 * i]),
-                static_cast<unsigned long long>(s.words[2 * i + 1]));
-  d[keys[7]] = py::str(hex, 32);
+  PyObject* d = PyDict_New();
+  if (d == nullptr) throw py::error_already_set();
+  try {
+    put(d, keys[0], has_nan ? keep(nan) : PyFloat_FromDouble(r[0]));
+    put(d, keys[1], has_nan ? keep(nan) : PyFloat_FromDouble(r[1]));
+    put(d, keys[2], PyFloat_FromDouble(r[2] / n));
+    put(d, keys[3], PyFloat_FromDouble(r[3] / n));
+    put(d, keys[4], PyFloat_FromDouble(std::sqrt(r[4])));
+    put(d, keys[5], PyLong_FromLongLong(static_cast<long long>(r[5])));
+    put(d, keys[6], PyLong_FromLongLong(static_cast<long long>(r[6])));
+    char hex[33];
+    std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(s.words[2 * i]),
+                  static_cast<unsigned long long>(s.words[2 * i + 1]));
+    put(d, keys[7], PyUnicode_FromStringAndSize(hex, 32));
+  } catch (...) {
+    Py_DECREF(d);
+    throw;
+  }
   return d;
 }
 
@@ -423,9 +437,10 @@ py::list idents() {
 py::tuple build(const std::vector<int64_t>& calls, int64_t first_seq, int64_t step, int64_t rank,
                 const std::string& step_prefix) {
   State& s = state();
-  static std::vector<py::object>& f = *new std::vector<py::object>(interned(
-      {"seq", "step", "rank", "kind", "scope", "name", "direction", "call", "device", "tensors", "args",
-       "key", "slot", "dtype", "shape", "stats", "data_key", "op", "cpu"}));
+  static PyObject* f[] = {intern("seq"), intern("step"), intern("rank"), intern("kind"), intern("scope"),
+                          intern("name"), intern("direction"), intern("call"), intern("device"), intern("tensors"),
+                          intern("args"), intern("key"), intern("slot"), intern("dtype"), intern("shape"),
+                          intern("stats"), intern("data_key"), intern("op"), intern("cpu")};
   std::vector<Event> events;
   events.swap(s.pending);
   py::list out, fixups;
@@ -441,33 +456,40 @@ py::tuple build(const std::vector<int64_t>& calls, int64_t first_seq, int64_t st
     for (size_t j = 0; j < ev.tensors.size(); ++j) {
       Entry& e = ev.tensors[j];
       py::list shape(e.shape.size());
-      for (size_t d = 0; d < e.shape.size(); ++d) shape[d] = py::int_(e.shape[d]);
-      py::dict r;
-      r[f[11]] = py::str(prefix + std::string(py::str(e.slot)));
-      r[f[12]] = e.slot;
-      r[f[13]] = s.dtype_names.at(e.code);
-      r[f[14]] = shape;
+      for (size_t d = 0; d < e.shape.size(); ++d) {
+        PyObject* dim = PyLong_FromLongLong(e.shape[d]);
+        if (dim == nullptr) throw py::error_already_set();
+        PyList_SET_ITEM(shape.ptr(), d, dim);
+      }
+      py::object r = py::reinterpret_steal<py::object>(PyDict_New());
+      Py_ssize_t slot_len = 0;
+      const char* slot = PyUnicode_AsUTF8AndSize(e.slot.ptr(), &slot_len);
+      std::string key = prefix + std::string(slot, static_cast<size_t>(slot_len));
+      put(r.ptr(), f[11], PyUnicode_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size())));
+      put(r.ptr(), f[12], keep(e.slot.ptr()));
+      put(r.ptr(), f[13], keep(s.dtype_names.at(e.code).ptr()));
+      put(r.ptr(), f[14], keep(shape.ptr()));
       if (e.handle < 0) {
-        r[f[15]] = stats_dict(s, static_cast<size_t>(-e.handle - 1));
+        put(r.ptr(), f[15], stats_dict(s, static_cast<size_t>(-e.handle - 1)));
       } else {
-        r[f[15]] = py::none();
+        put(r.ptr(), f[15], keep(Py_None));
         fixups.append(py::make_tuple(r, e.handle));
       }
-      r[f[16]] = py::none();
-      tensors[j] = r;
+      put(r.ptr(), f[16], keep(Py_None));
+      PyList_SET_ITEM(tensors.ptr(), j, r.release().ptr());
     }
-    py::dict d;
-    d[f[0]] = py::int_(seq++);
-    d[f[1]] = step_obj;
-    d[f[2]] = rank_obj;
-    d[f[3]] = f[17];
-    d[f[4]] = k.scope_obj;
-    d[f[5]] = s.names.at(ev.op);
-    d[f[6]] = k.direction_obj;
-    d[f[7]] = py::int_(calls.at(i));
-    d[f[8]] = f[18];
-    d[f[9]] = tensors;
-    d[f[10]] = py::none();
+    py::object d = py::reinterpret_steal<py::object>(PyDict_New());
+    put(d.ptr(), f[0], PyLong_FromLongLong(seq++));
+    put(d.ptr(), f[1], keep(step_obj.ptr()));
+    put(d.ptr(), f[2], keep(rank_obj.ptr()));
+    put(d.ptr(), f[3], keep(f[17]));
+    put(d.ptr(), f[4], keep(k.scope_obj.ptr()));
+    put(d.ptr(), f[5], keep(s.names.at(ev.op).ptr()));
+    put(d.ptr(), f[6], keep(k.direction_obj.ptr()));
+    put(d.ptr(), f[7], PyLong_FromLongLong(calls.at(i)));
+    put(d.ptr(), f[8], keep(f[18]));
+    put(d.ptr(), f[9], keep(tensors.ptr()));
+    put(d.ptr(), f[10], keep(Py_None));
     out.append(d);
   }
   s.rows.clear();
