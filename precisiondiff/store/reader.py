@@ -18,6 +18,7 @@ import torch
 
 from ..errors import DumpError
 from .schema import FORMAT_VERSION, H5_FILE, INDEX, META, Event, TensorRecord, dtype_name
+from .shard_file import ShardFile
 
 __all__ = ["load", "Dump", "read_meta", "iter_index"]
 
@@ -290,15 +291,13 @@ class Dump:
         if handle is not None:
             self._handles.move_to_end(shard)
             return handle
-        from safetensors import safe_open
-
         file = self.path / shard
         if not file.is_file():
             raise FileNotFoundError(str(file))
-        handle = safe_open(str(file), framework="pt")
+        handle = ShardFile(file)  # plain reads: no mapping kept in the resident set (shard_file.py)
         self._handles[shard] = handle
         while len(self._handles) > _MAX_OPEN:
-            self._handles.popitem(last=False)
+            self._handles.popitem(last=False)[1].close()
         return handle
 
     def _read_h5(self, data_key: str) -> torch.Tensor:
@@ -327,6 +326,8 @@ class Dump:
         for d in self.ranks.values():
             if d is not self:
                 d.close()
+        for handle in self._handles.values():
+            handle.close()
         self._handles.clear()
         if self._h5 is not None:
             self._h5.close()
