@@ -24,6 +24,12 @@ Measured 2026-12-02 (2 shared cores, load 1-8; ``--seq 64 --direction forward``;
                                                                                                 (run 1: 347 -> 217 s = 0.62x)
 
 Every bisect named the planted kernel; 1 and 2 workers gave identical results (all but ``cost``).
+
+The issue's case as written (2026-12-03, AMD AVX2, 2 cores, idle; ``--size 1.1b --seq 256``, full step):
+
+    capture 3864 s (one core shared) / 12.30 GiB / dump 14.16 GiB; bisect 1.11 steps, kernel in
+    model.layers.14.mlp.down_proj; peak RSS 11.12 GiB (1 worker), 9.96 GiB (2 workers);
+    replay phase 323.6 s -> 302.5 s = 0.93x with 2 workers
 """
 from __future__ import annotations
 
