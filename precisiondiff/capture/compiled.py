@@ -43,7 +43,6 @@ BATCH = 256  # events the hook holds before it hands them over
 _EXT: Any = None
 _ERROR: Optional[str] = None
 _HELD: "Optional[CompiledOps]" = None  # the session holding the hook (its state is process-wide)
-_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 _HOPS = getattr(torch._ops, "_higher_order_ops", {})  # name -> HigherOrderOperator, as torch builds them
 
 
@@ -144,15 +143,7 @@ class CompiledOps:
             updates = session._updates
             if updates is not None and updates.stack:
                 return -1
-            backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
-            if backward:
-                scope = session.current_scope(True)
-            else:
-                stack = session._stack
-                scope = stack[-1] if stack else ""
-            wanted = mode._scopes.get(scope)
-            if wanted is None:
-                wanted = mode._scopes[scope] = session.filter.want_scope(scope)
+            scope, backward, wanted = mode.scope_now()
             if not wanted:
                 return -1
             key = (scope, backward)

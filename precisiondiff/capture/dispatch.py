@@ -288,20 +288,11 @@ class OpCaptureMode(TorchDispatchMode):
         return _set_eval_frame is None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        if self.compiled is not None and type(func) is not _OpOverload:
-            # a higher-order operator never passes the compiled hook: the ops of its subgraphs
-            # must not reach it either (this mode records the operator as one unit)
-            return self._dispatch_unhooked(func, args, kwargs)
-        if _set_eval_frame is None:
-            return self._dispatch(func, args, kwargs)
-        prior = _set_eval_frame(None)
-        try:
-            return self._dispatch(func, args, kwargs)
-        finally:
-            _set_eval_frame(prior)
-
-    def _dispatch_unhooked(self, func, args, kwargs):
-        self.compiled.enable(False)
+        # a higher-order operator never passes the compiled hook: the ops of its subgraphs must
+        # not reach it either (this mode records the operator as one unit)
+        unhook = self.compiled is not None and type(func) is not _OpOverload
+        if unhook:
+            self.compiled.enable(False)
         try:
             if _set_eval_frame is None:
                 return self._dispatch(func, args, kwargs)
@@ -311,7 +302,23 @@ class OpCaptureMode(TorchDispatchMode):
             finally:
                 _set_eval_frame(prior)
         finally:
-            self.compiled.enable(True)
+            if unhook:
+                self.compiled.enable(True)
+
+    def scope_now(self) -> "tuple[str, bool, bool]":
+        """The running call's module scope, whether it runs in a backward, and whether the
+        session's filter wants that scope (cached per scope)."""
+        session = self.session
+        backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+        if backward:
+            scope = session.current_scope(True)
+        else:
+            stack = session._stack
+            scope = stack[-1] if stack else ""
+        wanted = self._scopes.get(scope)
+        if wanted is None:
+            wanted = self._scopes[scope] = session.filter.want_scope(scope)
+        return scope, backward, wanted
 
     if _set_eval_frame is not None:
         __torch_dispatch__._torchdynamo_disable = True  # type: ignore[attr-defined]
@@ -343,15 +350,7 @@ class OpCaptureMode(TorchDispatchMode):
                 except Exception as err:  # noqa: BLE001
                     session.capture_failed(err)
             return out
-        backward = _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
-        if backward:
-            scope = session.current_scope(True)
-        else:
-            stack = session._stack
-            scope = stack[-1] if stack else ""
-        wanted = self._scopes.get(scope)
-        if wanted is None:
-            wanted = self._scopes[scope] = session.filter.want_scope(scope)
+        scope, backward, wanted = self.scope_now()
         if not wanted:
             out = func(*args, **(kwargs or {}))
             if info.writes or info.collective or self._pending:
