@@ -6,10 +6,10 @@ The hook (``csrc/op_hook.cpp``, built with ``torch.utils.cpp_extension`` on firs
 on disk) sits on a dispatch key held in thread-local state, above autograd. For a call the
 Python side marks recordable (no write, not a collective; :meth:`CompiledOps._describe`, once
 per op), while the session would record it (:meth:`CompiledOps._gate`, once per call), with
-every tensor argument a plain CPU tensor, it records the call itself: a small floating tensor as
-a private copy that :meth:`CompiledOps.drain` measures later with the same statistics kernel, any
-other tensor measured at once through :class:`~.stats.StatsBatch`. The Python mode never sees
-that call. The events reach the recorder in execution order: whatever the Python side records
+every tensor argument a plain CPU tensor, it records the call itself: a floating tensor measured
+at once by the same statistics kernel (its C entry point, :mod:`._stats_cjit`), any other through
+:class:`~.stats.StatsBatch`; the hook formats the records, :meth:`CompiledOps.drain` numbers and
+queues them. The Python mode never sees that call. The events reach the recorder in execution order: whatever the Python side records
 next (a module, an op of its own, a read-back) drains the hook's events first.
 
 What it records is what the Python path records, bit for bit
@@ -158,7 +158,8 @@ class CompiledOps:
             return -1
 
     def _measure(self, t: torch.Tensor) -> int:
-        """A statistics handle for a tensor the hook does not copy (large, or not floating)."""
+        """A statistics handle for a tensor the hook does not measure itself (not floating, a
+        negative view, empty)."""
         return self.mode.session.recorder._stats.add(t)
 
     # -- the session's side ------------------------------------------------------------------------

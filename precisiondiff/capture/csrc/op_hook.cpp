@@ -1,10 +1,10 @@
 // The compiled front of op-level capture (precisiondiff/capture/compiled.py).
 //
 // A boxed fallback on a dispatch key held in thread-local state sees every op call before
-// autograd. For the common op (no write, plain CPU tensors of a fused dtype) it records the call
-// itself: the inputs before the op runs and the outputs after, small tensors as private copies
-// (measured later, in batch, by the same statistics kernel as the Python path) and large ones
-// measured at once through a Python callback. The op then runs with the Python dispatch key
+// autograd. For the common op (no write, plain CPU tensors) it records the call itself: the
+// inputs before the op runs and the outputs after, a floating tensor measured at once by the same
+// statistics kernel as the Python path (its C entry point), any other through a Python callback
+// (StatsBatch); it formats the events' records itself. The op then runs with the Python dispatch key
 // excluded, so the Python TorchDispatchMode (still pushed) never sees it. Every other op, and
 // every op while the Python side says so (paused, a collective in flight...), goes on to that
 // mode: the Python path stays the oracle and the fallback, per op.
