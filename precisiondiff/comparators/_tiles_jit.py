@@ -6,17 +6,18 @@ order in which every level of its pairwise tree ``x[2i] + x[2i+1]`` is a vertica
 addition of two contiguous halves, with no shuffles: element ``k = 512 l + 32 c + t`` (lane
 ``l < 8``, chunk ``c < 16``, ``t < 32``) goes to position ``rev5(t) * 8 + l`` of chunk ``c``
 (``rev5`` reverses 5 bits), so the tree's pairs ``t, t ^ 1`` are 128 apart, then 64, 32, 16
-and 8 for its next levels. The element pass (one simple loop that LLVM vectorises) writes the
-rows; halving passes reduce each row to its eight lane values; the chunk and lane levels
+and 8 for its next levels. The element pass (one simple loop that LLVM vectorises) takes the
+two elements of each first-level pair and writes the rows' first level; halving passes reduce
+each row to its eight lane values; the chunk and lane levels
 (7 of the 12) are scalar. The tree, hence every sum, is the one of the PyTorch tile. The
 ULP-distance row is summed as integers: a float64 tree over 4096 integers below 2**33 adds
 exactly, so it equals their integer sum. The vectorised loops ask for 512-bit vectors
-(:func:`_wide`).
+(:func:`_wide`; AVX2 machines get 256-bit ones).
 
 Every element value is computed with the same IEEE float64 operations as the PyTorch tile
 (no fast-math, no contraction). Integer bit tricks replace only operations they reproduce
 exactly: the rounding of ``expected`` to the format (round to nearest even on the bits, a
-scaled ``rint`` below the smallest normal), the conversion of bfloat16/float32 to float64,
+scaled ``rint``, as an addition of 2**52, below the smallest normal), the conversion of bfloat16/float32 to float64,
 ``|d| / spacing`` as ``|d| * (1 / spacing)`` (spacing is a power of two whose reciprocal is a
 normal float64: the same correctly rounded value), and comparisons of non-negative float64
 values as comparisons of their bit patterns (they order alike; NaN patterns lie above every
@@ -34,6 +35,9 @@ _CHUNK = 256
 _EXP_MASK = 0x7FF0000000000000
 _ABS = 0x7FFFFFFFFFFFFFFF
 _REBIAS = 896 << 52  # float64 exponent bias - float32 (and bfloat16) exponent bias
+_TWO52 = 2.0 ** 52
+_TWO52_BITS = 0x4330000000000000
+_HALF = _CHUNK // 2
 _SMALL = 64  # ULP distances below this are counted in 8 interleaved histograms (no store chains)
 
 # exact IEEE semantics: no fastmath (it would reassociate the tree and contract a*b+c)
@@ -61,8 +65,10 @@ def _elem(ab, x, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
     emag = eb & _ABS
     mm = emag - _REBIAS
     rn = (mm + ((np.int64(1) << (sh - 1)) - 1) + ((mm >> sh) & 1)) >> sh
+    # below the smallest normal: rint(|x| / spacing) through the float64 addition of 2**52
+    # (xs <= 2**23: the sum is in [2**52, 2**53), where it rounds to an integer, to even)
     xs = min(np.int64(emag).view(np.float64), r_cap) * r_sub
-    rs = np.int64(np.rint(xs))
+    rs = np.float64(xs + _TWO52).view(np.int64) - _TWO52_BITS
     rmag = rs if emag < (np.int64(897) << 52) else rn
     rkey = (rmag ^ esg) - esg
     dist = abs(akey - rkey)
@@ -115,33 +121,38 @@ def _stage_part(a_src, e_src, g0, m, c, rev, A, E):  # pragma: no cover - compil
 
 
 @_jit
-def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
            tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
-    """The element pass of one staged chunk: ``R[256 j + p]`` row ``j``'s value at ``p``,
-    ``DI[o + p]`` the ULP distance; counts and maxima into ``acc``."""
+    """The element pass of one staged chunk with the tree's first level: positions ``q`` and
+    ``q + 128`` (the pair ``t, t ^ 1``) in one iteration, ``R[128 j + q]`` their sum in row
+    ``j``; ``DI[p]`` the ULP distance at ``p``; counts and maxima into ``acc``."""
     _wide()
     packed = dsum = 0
     m0 = m1 = m2 = m3 = m4 = 0
-    for p in range(_CHUNK):
+    for q in range(_HALF):
         (ad, ax, d2, x2, a2, ax_, rel, fd, ue, dist, bad, flags, adb, relb, ueb, v3b) = _elem(
-            A[p], E[p], mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+            A[q], E[q], mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
             tol_r, lvl1, lvl5, max_finite)
-        R[p] = ad
-        R[_CHUNK + p] = ax
-        R[2 * _CHUNK + p] = d2
-        R[3 * _CHUNK + p] = x2
-        R[4 * _CHUNK + p] = a2
-        R[5 * _CHUNK + p] = ax_
-        R[6 * _CHUNK + p] = rel
-        R[8 * _CHUNK + p] = ue
-        DI[o + p] = dist
-        packed += flags
-        dsum += dist
-        m0 = max(m0, adb)
-        m1 = max(m1, relb)
-        m2 = max(m2, dist | bad)
-        m3 = max(m3, ueb)
-        m4 = max(m4, v3b)
+        (bd, bx, e2, y2, b2, bx_, rel2, fd2, ue2, dist2, bad2, flags2, bdb, relb2, ueb2,
+         v3b2) = _elem(A[_HALF + q], E[_HALF + q], mb, sh, mask, expm, r_sub, r_cap, tiny,
+                       floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite)
+        R[q] = ad + bd
+        R[_HALF + q] = ax + bx
+        R[2 * _HALF + q] = d2 + e2
+        R[3 * _HALF + q] = x2 + y2
+        R[4 * _HALF + q] = a2 + b2
+        R[5 * _HALF + q] = ax_ + bx_
+        R[6 * _HALF + q] = rel + rel2
+        R[8 * _HALF + q] = ue + ue2
+        DI[q] = dist
+        DI[_HALF + q] = dist2
+        packed += flags + flags2
+        dsum += dist + dist2
+        m0 = max(m0, max(adb, bdb))
+        m1 = max(m1, max(relb, relb2))
+        m2 = max(m2, max(dist | bad, dist2 | bad2))
+        m3 = max(m3, max(ueb, ueb2))
+        m4 = max(m4, max(v3b, v3b2))
     acc[0] += m2 >> 60  # a value the fused path cannot take
     packed = -packed
     acc[14] += dsum  # the ULP row: integers, so every float64 tree of them is exact
@@ -158,15 +169,13 @@ def _chunk(A, E, R, DI, o, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, t
 
 @_jit
 def _halve(R):  # pragma: no cover - compiled
-    """Tree levels 1-5 of every row: pairs 128, 64, 32, 16 and 8 apart (constant distances:
-    LLVM sees no dependence and vectorises)."""
+    """Tree levels 2-5 of every row (level 1 is in :func:`_chunk`): pairs 64, 32, 16 and 8
+    apart (constant distances: LLVM sees no dependence and vectorises)."""
     _wide()
     for j in range(9):
         if j == 7:  # the ULP row: summed as integers
             continue
-        o = j * _CHUNK
-        for q in range(128):
-            R[o + q] = R[o + q] + R[o + q + 128]
+        o = j * _HALF
         for q in range(64):
             R[o + q] = R[o + q] + R[o + q + 64]
         for q in range(32):
@@ -196,12 +205,12 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
                 _stage_full(a_src, e_src, g0 + 32 * ch, rev, A, E)
             else:
                 _stage_part(a_src, e_src, g0, m, ch, rev, A, E)
-            _chunk(A, E, R, DI, b * _BLOCK + ch * _CHUNK, mb, sh, mask, expm, r_sub, r_cap,
+            _chunk(A, E, R, DI[b * _BLOCK + ch * _CHUNK:], mb, sh, mask, expm, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
             _halve(R)
             for j in range(9):
                 for l in range(8):
-                    C[j, ch * 8 + l] = R[j * _CHUNK + l]
+                    C[j, ch * 8 + l] = R[j * _HALF + l]
         for j in range(9):
             w0 = _lane(C, j, 0)
             w1 = _lane(C, j, 1)
@@ -275,7 +284,7 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     mfb = np.float64(max_finite).view(np.int64)
     A = np.empty(_CHUNK, dtype=np.int64)
     E = np.empty(_CHUNK, dtype=np.float64)
-    R = np.empty(9 * _CHUNK, dtype=np.float64)
+    R = np.empty(9 * _HALF, dtype=np.float64)
     C = np.empty((9, 128), dtype=np.float64)
     DI = np.empty(-(-tile // _BLOCK) * _BLOCK, dtype=np.int64)
     hs = np.zeros(8 * _SMALL, dtype=np.int64)

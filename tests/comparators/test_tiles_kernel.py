@@ -104,3 +104,23 @@ def test_fused_edge_values(dtype, shift):
         _assert_bitwise(*_both(aa, ee, fused=True))
         _assert_bitwise(*_both(aa, ee, fused=True, atol=1e-3, rtol=0.0))  # |d| == atol cases
         _assert_bitwise(*_both(aa, ee, fused=True, atol=0.0, rtol=2.0 ** -8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fused_tree_order_and_subnormal_rounding(dtype):
+    """Values spread over 2**-60 .. 2**60, so that a sum taken in another order than the
+    PyTorch tile's tree (every block's pairs, the first level in the element pass) differs,
+    and a dense run of subnormal expected values near ties (the scaled rounding below the
+    smallest normal); three full blocks and a partial one, all on the fused path."""
+    mb = 7 if dtype == torch.bfloat16 else 23
+    g = torch.Generator().manual_seed(11)
+    n = 3 * 4096 + 1234
+    e = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-60, 61, (n,), generator=g).to(torch.float64))
+    sub = 2.0 ** (-126 - mb)  # the format's subnormal spacing
+    k = torch.arange(2048, dtype=torch.float64)
+    e[1000:3048] = (k + 0.5 + torch.tensor([0.0, 2.0 ** -20, -2.0 ** -20]).repeat(683)[:2048]) * sub
+    e[5000:7048] = -(k * 3 + 0.5) * sub
+    a = (e * (1 + 1e-2 * torch.randn(n, generator=g, dtype=torch.float64))).to(dtype)
+    _assert_bitwise(*_both(a, e, fused=True))
+    _assert_bitwise(*_both(a, e, fused=True, atol=1e-30, rtol=1e-3))
