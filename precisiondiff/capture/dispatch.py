@@ -133,10 +133,18 @@ class _Uninitialized:
 
 
 try:  # torch compiles a higher-order operator's eager wrapper (flex_attention, cond) inside this
-    from torch._higher_order_ops.utils import _in_hop_compile
-except ImportError:  # pragma: no cover - an older PyTorch: its HOPs run eagerly under the mode
+    from torch._higher_order_ops.utils import _hop_compile_tls
+
     def _in_hop_compile() -> bool:
-        return False
+        """torch's ``_in_hop_compile``, read from the thread's dict: its ``getattr`` of a missing
+        thread-local attribute raises and catches an AttributeError (1.8 us; asked for every op)."""
+        return _hop_compile_tls.__dict__.get("in_hop_compile", False)
+except ImportError:  # pragma: no cover - an older PyTorch: its HOPs run eagerly under the mode
+    try:
+        from torch._higher_order_ops.utils import _in_hop_compile
+    except ImportError:
+        def _in_hop_compile() -> bool:
+            return False
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 try:  # what torch._disable_dynamo around __torch_dispatch__ does, without its Python wrapper
     from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame

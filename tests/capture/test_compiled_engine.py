@@ -120,6 +120,27 @@ def test_a_scope_filter_and_a_paused_session_hold_on_the_compiled_engine():
     assert {e["scope"] for e in fast} == {"norm", "proj"}
 
 
+@needs_hook
+def test_the_collectors_young_threshold_is_raised_while_the_hook_records_and_then_put_back():
+    import gc
+    before = gc.get_threshold()
+    seen = []
+    model = nn.Linear(4, 4)
+    try:
+        gc.set_threshold(700, *before[1:])
+        with capture(model=model, sink=MemorySink(), level="op", engine="compiled"):
+            model(torch.randn(2, 4))
+            seen.append(gc.get_threshold())
+        assert seen == [(compiled.YOUNG_THRESHOLD, *before[1:])]
+        assert gc.get_threshold() == (700, *before[1:])
+        # a threshold the program set meanwhile is the program's: left as it is
+        with capture(model=model, sink=MemorySink(), level="op", engine="compiled"):
+            gc.set_threshold(123, *before[1:])
+        assert gc.get_threshold() == (123, *before[1:])
+    finally:
+        gc.set_threshold(*before)
+
+
 def test_without_a_compiler_capture_falls_back_to_the_python_engine(monkeypatch, tmp_path):
     monkeypatch.setattr(compiled, "_EXT", None)
     monkeypatch.setattr(compiled, "_ERROR", "RuntimeError: no C++ compiler (planted)")

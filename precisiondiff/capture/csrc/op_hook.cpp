@@ -22,7 +22,6 @@
 #include <torch/csrc/DynamicTypes.h>
 
 #include <cmath>
-#include <cstdio>
 #include <limits>
 #include <map>
 #include <unordered_map>
@@ -225,22 +224,59 @@ void fail(State& s, const std::exception& err) {
   s.error = err.what();
 }
 
+// The Python side's gate (CompiledOps._gate): the key id of (scope, direction) to record the
+// call under, or -1. Called through the C API: pybind's call and cast cost ~0.2 us more per call.
+int64_t ask_gate(State& s) {
+  PyObject* r = PyObject_CallNoArgs(s.gate.ptr());
+  if (r == nullptr) throw py::error_already_set();
+  long long key = PyLong_AsLongLong(r);
+  Py_DECREF(r);
+  if (key == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return key;
+}
+
 void hook(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   State& s = state();
   if (!s.on) return to_python(op, ks, stack);
+  const auto& schema = op.schema();
+  auto args = torch::jit::last(*stack, schema.arguments().size());
   int code;
   int64_t key = -1;
+  bool recorded = false;
+  Event ev;
   {
+    // one hold of the GIL for the op's code, the gate and the inputs' records
     py::gil_scoped_acquire gil;
     try {
       code = code_of(s, op);
-      if (code == kComposite) {
-        // its parts come back through this hook
-      } else if (code != kSlow) {
-        key = py::cast<int64_t>(s.gate());
+      if (code == kPass || code == kRecord) key = ask_gate(s);
+      if (code == kRecord && key >= 0) {
+        // every tensor argument must be one the compiled path measures
+        bool ok = true;
+        for (const auto& a : args) each_tensor(a, [&](const at::Tensor& t) { ok = ok && plain(s, t); });
+        if (ok) {
+          c10::impl::ExcludeDispatchKeyGuard guard(kMine | kPythonKeys);
+          at::NoGradGuard no_grad;
+          ev.op = &schema;
+          ev.key = key;
+          std::vector<const c10::TensorImpl*> seen;
+          size_t i = 0;
+          for (const auto& a : args) {
+            each_tensor(a, [&](const at::Tensor& t) {
+              size_t index = i++;
+              const auto* impl = t.unsafeGetTensorImpl();
+              for (auto* other : seen)
+                if (other == impl) return;
+              seen.push_back(impl);
+              add(s, ev, slot_name(s.input_slots, "input.", index), t);
+            });
+          }
+          recorded = true;
+        }
       }
     } catch (const std::exception& err) {
-      fail(s, err);
+      fail(s, err);  // the Python mode records this call and every later one
+      ev.tensors.clear();  // its Python objects released while the GIL is held
       code = kSlow;
     }
   }
@@ -258,9 +294,6 @@ void hook(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Sta
     s.slow_calls++;
     return to_python(op, ks, stack);
   }
-  const auto& schema = op.schema();
-  size_t n_args = schema.arguments().size();
-  auto args = torch::jit::last(*stack, n_args);
   if (code == kPass) {
     // a subclass (a fake tensor while Dynamo traces, a DTensor) runs its own __torch_dispatch__
     // below: the Python keys must stay for it
@@ -271,39 +304,10 @@ void hook(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Sta
       });
     return subclass ? to_python(op, ks, stack) : unseen(op, ks, stack);
   }
-  // kRecord: every tensor argument must be one the compiled path measures
-  bool ok = true;
-  for (const auto& a : args) each_tensor(a, [&](const at::Tensor& t) { ok = ok && plain(s, t); });
-  if (!ok) {
+  if (!recorded) {  // an argument the compiled path does not measure
     s.slow_calls++;
     return to_python(op, ks, stack);
   }
-  Event ev;
-  {
-    py::gil_scoped_acquire gil;
-    c10::impl::ExcludeDispatchKeyGuard guard(kMine | kPythonKeys);
-    at::NoGradGuard no_grad;
-    try {
-      ev.op = &schema;
-      ev.key = key;
-      std::vector<const c10::TensorImpl*> seen;
-      size_t i = 0;
-      for (const auto& a : args) {
-        each_tensor(a, [&](const at::Tensor& t) {
-          size_t index = i++;
-          const auto* impl = t.unsafeGetTensorImpl();
-          for (auto* other : seen)
-            if (other == impl) return;
-          seen.push_back(impl);
-          add(s, ev, slot_name(s.input_slots, "input.", index), t);
-        });
-      }
-    } catch (const std::exception& err) {
-      fail(s, err);
-      ev.tensors.clear();  // its Python objects released while the GIL is held
-    }
-  }
-  if (!s.on) return to_python(op, ks, stack);  // the inputs could not be recorded
   unseen(op, ks, stack);
   size_t n_out = schema.returns().size();
   auto outs = torch::jit::last(*stack, n_out);
@@ -380,6 +384,27 @@ static PyObject* intern(const char* name) {  // never released (module-lifetime 
   return PyUnicode_InternFromString(name);
 }
 
+// A dict sized for ``n`` items: grown from the default size, a record's 6-11 items cost two
+// resizes (a new table, every key re-inserted) each.
+static PyObject* new_dict(Py_ssize_t n) {
+#if PY_VERSION_HEX < 0x030E0000
+  PyObject* d = _PyDict_NewPresized(n);
+#else
+  PyObject* d = PyDict_New();
+#endif
+  if (d == nullptr) throw py::error_already_set();
+  return d;
+}
+
+// The fingerprint's two words as 32 lowercase hex digits ("%016llx%016llx" without printf).
+static PyObject* hex_words(uint64_t hi, uint64_t lo) {
+  static const char digits[] = "0123456789abcdef";
+  char hex[32];
+  for (int i = 15; i >= 0; --i, hi >>= 4) hex[i] = digits[hi & 15];
+  for (int i = 31; i >= 16; --i, lo >>= 4) hex[i] = digits[lo & 15];
+  return PyUnicode_FromStringAndSize(hex, 32);
+}
+
 // The statistics record of the i-th tensor the kernel measured, as StatsBatch formats the
 // kernel's rows (stats.py, _resolve_fused): the same keys in the same order, the same doubles
 // (IEEE division and square root are correctly rounded in C++ as in Python).
@@ -390,8 +415,7 @@ PyObject* stats_dict(State& s, size_t i) {
   const double* r = &s.rows[7 * i];
   double n = static_cast<double>(s.numels[i]);
   bool has_nan = r[5] != 0.0;
-  PyObject* d = PyDict_New();
-  if (d == nullptr) throw py::error_already_set();
+  PyObject* d = new_dict(8);
   try {
     put(d, keys[0], has_nan ? keep(nan) : PyFloat_FromDouble(r[0]));
     put(d, keys[1], has_nan ? keep(nan) : PyFloat_FromDouble(r[1]));
@@ -400,10 +424,7 @@ PyObject* stats_dict(State& s, size_t i) {
     put(d, keys[4], PyFloat_FromDouble(std::sqrt(r[4])));
     put(d, keys[5], PyLong_FromLongLong(static_cast<long long>(r[5])));
     put(d, keys[6], PyLong_FromLongLong(static_cast<long long>(r[6])));
-    char hex[33];
-    std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(s.words[2 * i]),
-                  static_cast<unsigned long long>(s.words[2 * i + 1]));
-    put(d, keys[7], PyUnicode_FromStringAndSize(hex, 32));
+    put(d, keys[7], hex_words(s.words[2 * i], s.words[2 * i + 1]));
   } catch (...) {
     Py_DECREF(d);
     throw;
@@ -446,12 +467,14 @@ py::tuple build(const std::vector<int64_t>& calls, int64_t first_seq, int64_t st
   py::list out, fixups;
   py::object step_obj = py::int_(step), rank_obj = py::int_(rank);
   int64_t seq = first_seq;
+  std::string key;  // one buffer for every record's key
   for (size_t i = 0; i < events.size(); ++i) {
     Event& ev = events[i];
     if (ev.tensors.empty()) continue;  // numbered, not emitted (Recorder.finish)
     const Key& k = s.keys.at(ev.key);
-    std::string prefix = step_prefix + k.scope + "/" + s.name_strs.at(ev.op) + "#" + std::to_string(calls.at(i)) +
-                         ":" + k.direction + ":";
+    key.assign(step_prefix).append(k.scope).append("/").append(s.name_strs.at(ev.op)).append("#")
+        .append(std::to_string(calls.at(i))).append(":").append(k.direction).append(":");
+    size_t prefix_len = key.size();
     py::list tensors(ev.tensors.size());
     for (size_t j = 0; j < ev.tensors.size(); ++j) {
       Entry& e = ev.tensors[j];
@@ -461,10 +484,11 @@ py::tuple build(const std::vector<int64_t>& calls, int64_t first_seq, int64_t st
         if (dim == nullptr) throw py::error_already_set();
         PyList_SET_ITEM(shape.ptr(), d, dim);
       }
-      py::object r = py::reinterpret_steal<py::object>(PyDict_New());
+      py::object r = py::reinterpret_steal<py::object>(new_dict(6));
       Py_ssize_t slot_len = 0;
       const char* slot = PyUnicode_AsUTF8AndSize(e.slot.ptr(), &slot_len);
-      std::string key = prefix + std::string(slot, static_cast<size_t>(slot_len));
+      key.resize(prefix_len);
+      key.append(slot, static_cast<size_t>(slot_len));
       put(r.ptr(), f[11], PyUnicode_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size())));
       put(r.ptr(), f[12], keep(e.slot.ptr()));
       put(r.ptr(), f[13], keep(s.dtype_names.at(e.code).ptr()));
@@ -478,7 +502,7 @@ py::tuple build(const std::vector<int64_t>& calls, int64_t first_seq, int64_t st
       put(r.ptr(), f[16], keep(Py_None));
       PyList_SET_ITEM(tensors.ptr(), j, r.release().ptr());
     }
-    py::object d = py::reinterpret_steal<py::object>(PyDict_New());
+    py::object d = py::reinterpret_steal<py::object>(new_dict(11));
     put(d.ptr(), f[0], PyLong_FromLongLong(seq++));
     put(d.ptr(), f[1], keep(step_obj.ptr()));
     put(d.ptr(), f[2], keep(rank_obj.ptr()));
