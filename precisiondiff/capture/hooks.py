@@ -9,11 +9,13 @@ exception in the user's forward or backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import PrecisionDiffError
 from .dispatch import in_backward
@@ -55,23 +57,22 @@ class _Boundary:
     """A module call's inputs as the autograd graph sees them: the nodes that produced them
     (where tagging stops) and, per input slot, how an edge into the module is recognized."""
 
-    __slots__ = ("nodes", "slot_of")
+    __slots__ = ("nodes", "slot_of", "leaves")
 
     def __init__(self, inputs: List[torch.Tensor]) -> None:
         self.nodes: list = []
         self.slot_of: Dict[Any, int] = {}  # id(grad_fn) or ("leaf", id(tensor)) -> input index
+        self.leaves = False  # whether an input is a leaf that requires gradients
         for i, t in enumerate(inputs):
             if not t.requires_grad:
                 continue
-            if t.grad_fn is not None:
-                self.nodes.append(t.grad_fn)
-                self.slot_of.setdefault(id(t.grad_fn), i)
+            node = t.grad_fn
+            if node is not None:
+                self.nodes.append(node)
+                self.slot_of.setdefault(id(node), i)
             else:
                 self.slot_of.setdefault(("leaf", id(t)), i)
-
-    def key_of_id(self, identity: Any) -> Any:
-        """``identity`` (another call's boundary key) if it is one of this call's inputs too."""
-        return identity if identity in self.slot_of else None
+                self.leaves = True
 
     def key(self, node: Any) -> Any:
         """The boundary key of ``node`` if it is one of the inputs' producers, else None."""
@@ -87,16 +88,23 @@ class _Boundary:
         return None
 
 
-def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int, tuple]) -> list:
+def _tag_graph(outputs: List[torch.Tensor], scope: str, boundary: _Boundary, shortcuts: Dict[int, tuple],
+               tag: bool = True) -> list:
     """Tag the autograd nodes a module call created (between its inputs and its outputs) with
     its scope, and return the edges ``(node, index, boundary key)`` along which gradients leave
-    the module towards its inputs.
+    the module towards its inputs. ``outputs``: the call's output tensors. ``tag=False`` (no op is
+    recorded, so no backward op asks for its scope): only the edges.
 
     Inner modules return first, so a node keeps the innermost scope; an inner call's output
     node carries a shortcut to the inner call's input nodes and edges, so each node is walked
     once (reading ``next_functions`` is the expensive part)."""
-    outputs = [t.grad_fn for t in flatten_tensors(output) if t.grad_fn is not None]
-    inner = [node for node in outputs if boundary.key(node) is None]
+    slot_of = boundary.slot_of
+    boundary_key = boundary.key
+    inner = []
+    for t in outputs:
+        node = t.grad_fn
+        if node is not None and (not slot_of or boundary_key(node) is None):
+            inner.append(node)
     stack = list(inner)  # only nodes that are not boundaries are ever pushed
     seen: set = set()
     edges: list = []
@@ -104,7 +112,7 @@ def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int
     # output, each time through the same shortcut: its edges are taken once, or grad_input
     # would sum the same gradient once per output
     have: set = set()
-    boundary_key = boundary.key
+    leaves = boundary.leaves
     while stack:
         node = stack.pop()
         key = id(node)
@@ -115,25 +123,35 @@ def _tag_graph(output: Any, scope: str, boundary: _Boundary, shortcuts: Dict[int
         if jump is not None:  # an inner module's output: continue from that module's inputs
             inner_nodes, inner_edges = jump
             for n, j, k in inner_edges:
-                target = boundary.key_of_id(k)
-                if target is not None and (id(n), j) not in have:
+                if k in slot_of and (id(n), j) not in have:
                     have.add((id(n), j))
-                    edges.append((n, j, target))
-            stack.extend(n for n in inner_nodes if boundary_key(n) is None)
+                    edges.append((n, j, k))
+            stack.extend(n for n in inner_nodes if not slot_of or boundary_key(n) is None)
             continue
-        metadata = node.metadata
-        if SCOPE_TAG not in metadata:
-            metadata[SCOPE_TAG] = scope
-        for j, (nxt, _) in enumerate(node.next_functions):
+        if tag:
+            metadata = node.metadata
+            if SCOPE_TAG not in metadata:
+                metadata[SCOPE_TAG] = scope
+        j = -1
+        for nxt, _ in node.next_functions:
+            j += 1
             if nxt is None:
                 continue
-            target = boundary_key(nxt)
-            if target is not None:
-                if (key, j) not in have:
-                    have.add((key, j))
-                    edges.append((node, j, target))
+            # boundary.key(nxt), inline: this runs for every node of the graph
+            if id(nxt) in slot_of:
+                target: Any = id(nxt)
+            elif type(nxt) is _ACCUMULATE_GRAD:
+                target = ("leaf", id(nxt.variable)) if leaves else None
+                if target is None or target not in slot_of:
+                    if tag:  # a parameter's: tagged, nothing behind it
+                        stack.append(nxt)
+                    continue
             else:
                 stack.append(nxt)
+                continue
+            if (key, j) not in have:
+                have.add((key, j))
+                edges.append((node, j, target))
     # what an outer module needs to skip this call: its input nodes, and its edges with the
     # identity of the node each one reaches (to be matched against the outer call's inputs)
     # (a key, id(grad_fn) or ("leaf", id(tensor)), names the same input in every call's boundary)
@@ -177,38 +195,151 @@ def _without_orig_mod(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
+_TREE_METHODS = ("named_modules", "modules", "named_parameters", "_named_members")
+_PLAIN_TREE: Dict[type, bool] = {}
+
+
+def _module_tree(root: nn.Module) -> List[tuple]:
+    """``(name, module, [(parameter name, parameter)...])`` in the order of
+    ``root.named_modules()``, with each module's ``named_parameters(recurse=False)``: read from
+    ``_modules`` and ``_parameters`` directly (a fifth of the generators' cost), unless a class
+    in the tree overrides one of those methods (then the methods themselves)."""
+    tree: List[tuple] = []
+    memo: set = set()
+    stack = [("", root)]
+    while stack:
+        name, module = stack.pop()
+        if module in memo:
+            continue
+        memo.add(module)
+        cls = type(module)
+        plain = _PLAIN_TREE.get(cls)
+        if plain is None:
+            plain = _PLAIN_TREE[cls] = all(getattr(cls, m, None) is getattr(nn.Module, m) for m in _TREE_METHODS)
+        if not plain:
+            return [(n, m, list(m.named_parameters(recurse=False))) for n, m in root.named_modules()]
+        tree.append((name, module, [(k, v) for k, v in module._parameters.items() if v is not None]))
+        dot = name + "." if name else ""
+        stack.extend(reversed([(dot + k, m) for k, m in module._modules.items() if m is not None]))
+    return tree
+
+
+_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_DIRECT = all(isinstance(getattr(nn.Module(), d, None), dict) for d in _MODULE_HOOK_DICTS)
+_PLAIN_PARAMS = (nn.Parameter, torch.Tensor)
+
+
+class _DirectHooks:
+    """Module forward hooks and parameter gradient hooks put into their hook dicts as
+    ``register_forward_pre_hook(with_kwargs=True)``, ``register_forward_hook(with_kwargs=True,
+    always_call=True)`` and ``register_post_accumulate_grad_hook`` put them (ids from the same
+    counter), and taken out by one :meth:`remove`: without a ``RemovableHandle`` and its weak
+    references each, a third of the cost of entering and closing a session on a model of 112
+    modules. A parameter without a hook dict yet, or a subclass, gets its hook the public way."""
+
+    __slots__ = ("modules", "params", "handles")
+
+    def __init__(self) -> None:
+        self.modules: List[tuple] = []
+        self.params: List[tuple] = []
+        self.handles: List[Any] = []
+
+    def module(self, module: nn.Module, pre: Any, post: Any) -> None:
+        if not _DIRECT:
+            self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+            return
+        i = RemovableHandle.next_id
+        RemovableHandle.next_id = i + 2
+        module._forward_pre_hooks[i] = pre
+        module._forward_pre_hooks_with_kwargs[i] = True
+        module._forward_hooks[i + 1] = post
+        module._forward_hooks_with_kwargs[i + 1] = True
+        module._forward_hooks_always_called[i + 1] = True
+        self.modules.append((module, i))
+
+    def param(self, param: torch.Tensor, hook: Any) -> None:
+        hooks = param._post_accumulate_grad_hooks if type(param) in _PLAIN_PARAMS else None
+        if hooks is None or not param.is_leaf:
+            self.handles.append(param.register_post_accumulate_grad_hook(hook))
+            return
+        i = RemovableHandle.next_id
+        RemovableHandle.next_id = i + 1
+        hooks[i] = hook
+        self.params.append((hooks, i))
+
+    def remove(self) -> None:
+        for module, i in self.modules:
+            module._forward_pre_hooks.pop(i, None)
+            module._forward_pre_hooks_with_kwargs.pop(i, None)
+            module._forward_hooks.pop(i + 1, None)
+            module._forward_hooks_with_kwargs.pop(i + 1, None)
+            module._forward_hooks_always_called.pop(i + 1, None)
+        for hooks, i in self.params:
+            hooks.pop(i, None)
+        for handle in self.handles:
+            handle.remove()
+        self.modules.clear()
+        self.params.clear()
+        self.handles.clear()
+
+
+# slot names of a call's tensors, made once
+_INPUT_SLOTS = tuple(f"input.{i}" for i in range(32))
+_OUTPUT_SLOTS = tuple(f"output.{i}" for i in range(32))
+
+
 class ModuleHooks:
-    """Hook installation and the module-level events of a capture session (a mixin)."""
+    """Hook installation and the module-level events of a capture session (a mixin).
+
+    A model's module hooks are ``functools.partial`` objects that carry the module's scope, so a
+    call looks nothing up; global hooks (script capture) look the scope up by module."""
 
     _recomputing = 0  # depth of module calls re-run by activation checkpointing
     _updates: Any = None  # optimizer.Updates: the parameter updates in progress
     _in_step = False  # inside an optimizer.step() being recorded
     _grads_elsewhere = False  # a parameter gradient was read from a framework's buffers (_gradient)
+    _direct: Optional[_DirectHooks] = None  # hooks put into their dicts directly (in _handles)
 
     # -- installing hooks --------------------------------------------------------------------
-    def _register_names(self, root: nn.Module, prefix: str) -> None:
-        for name, module in root.named_modules():
-            if module not in self._names:
+    def _register_names(self, root: nn.Module, prefix: str) -> List[tuple]:
+        """Name ``root``'s modules (those not named yet) and hook its parameters' gradients;
+        returns :func:`_module_tree`'s ``(name, module, parameters)`` of ``root``."""
+        tree = _module_tree(root)
+        names = self._names
+        for name, module, _ in tree:
+            if module not in names:
                 name = _without_orig_mod(name)
-                self._names[module] = f"{prefix}.{name}" if prefix and name else (prefix or name)
-        for module in root.modules():
-            for pname, param in module.named_parameters(recurse=False):
-                if param.requires_grad and id(param) not in self._param_owner:
-                    self._param_owner[id(param)] = (self._names[module], class_name(module), pname)
-                    self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+                names[module] = f"{prefix}.{name}" if prefix and name else (prefix or name)
+        owner, hooks, on_grad = self._param_owner, self._direct_hooks(), self._on_grad
+        for _, module, params in tree:
+            for pname, param in params:
+                if param.requires_grad and id(param) not in owner:
+                    owner[id(param)] = (names[module], class_name(module), pname)
+                    hooks.param(param, on_grad)
         if type(root).__name__ == "DeepSpeedEngine":  # ZeRO keeps gradients out of p.grad (deepspeed.py)
             from .deepspeed import zero_step_hook
             handle = zero_step_hook(root, self._take_param_grads, wanted=self._zero_gathers, quiet=self.suspended,
                                     on_error=self.capture_failed)
             if handle is not None:
                 self._handles.append(handle)
+        return tree
+
+    def _direct_hooks(self) -> _DirectHooks:
+        """This session's :class:`_DirectHooks` (among its handles, so that they go with them)."""
+        hooks = self._direct
+        if hooks is None:
+            hooks = self._direct = _DirectHooks()
+            self._handles.append(hooks)
+        return hooks
 
     def _hook_model(self, model: nn.Module) -> None:
-        self._register_names(model, "")
-        for module in model.modules():
-            self._handles.append(module.register_forward_pre_hook(self._fwd_pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._fwd_post, with_kwargs=True,
-                                                              always_call=True))
+        tree = self._register_names(model, "")
+        names, hooks, partial = self._names, self._direct_hooks(), functools.partial
+        for _, module, _ in tree:
+            scope = names[module]
+            hooks.module(module, partial(self._pre, scope), partial(self._post, scope))
         # optimizer.step(): parameter gradients are taken before it (zero_grad may follow before
         # cap.step()); its ops are recorded as the step's updates (optimizer.py)
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -308,16 +439,27 @@ class ModuleHooks:
         self.step()
 
     # -- module hooks ------------------------------------------------------------------------
-    def _wants(self, module: nn.Module) -> bool:
-        return (self.level in ("module", "all") and self.recording and not self.paused
-                and self.filter.want_scope(self._names.get(module, "")))
+    def _wants(self, scope: str) -> bool:
+        """Whether the module call of ``scope`` running now is recorded (the scope filter asked
+        once per scope)."""
+        if not (self.level != "op" and self.recording and not self.paused):
+            return False
+        wanted = self._scopes_wanted.get(scope)
+        if wanted is None:
+            wanted = self._scopes_wanted[scope] = self.filter.want_scope(scope)
+        return wanted
 
     def _fwd_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._pre(self._names.get(module, ""), module, args, kwargs)
+
+    def _fwd_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self._post(self._names.get(module, ""), module, args, kwargs, output)
+
+    def _pre(self, scope: str, module: nn.Module, args: Any, kwargs: Any) -> None:
         if _is_compiling():
             # Dynamo tracing a module call (a HOP's branch, dispatch.ignore_compile_internals):
             # no state touched, so no side effect for it to refuse; the HOP is the recorded unit
             return
-        scope = self._names.get(module, "")
         self._stack.append(scope)
         # A forward during backward is activation checkpointing recomputing what the forward
         # already recorded: its graph is tagged (so its backward ops get their module's scope)
@@ -325,48 +467,59 @@ class ModuleHooks:
         recompute = self._recomputing > 0 or in_backward()
         if recompute:
             self._recomputing += 1
-        if torch.is_grad_enabled() and (self.recording or recompute):
-            inputs = flatten_tensors((args, kwargs))
+        elif not self.recording:
+            return
+        inputs = None
+        if _is_grad_enabled():
+            inputs = flatten_tensors((args, kwargs) if kwargs else args)
             self._boundaries.setdefault(id(module), []).append((_Boundary(inputs), len(inputs)))
-        if recompute or not self._wants(module):
+        if recompute or not self._wants(scope):
             return
         self.paused = True
         try:
-            self._record_inputs(module, scope, args, kwargs)
+            self._record_inputs(module, scope, args, kwargs, inputs)
         except Exception as err:  # noqa: BLE001 - capture's error, not the workload's
             self.capture_failed(err)
         finally:
             self.paused = False
 
-    def _record_inputs(self, module: nn.Module, scope: str, args: Any, kwargs: Any) -> None:
+    def _record_inputs(self, module: nn.Module, scope: str, args: Any, kwargs: Any,
+                       inputs: Optional[List[torch.Tensor]]) -> None:
         rec = self.recorder
         event = rec.begin("module", scope, class_name(module), "forward")
+        if inputs is None:
+            inputs = flatten_tensors((args, kwargs) if kwargs else args)
+        add, slots = rec.add, event.slots
         with _NoGrad():
-            for i, t in enumerate(flatten_tensors((args, kwargs))):
-                if id(t) not in event.slots:
-                    rec.add(event, f"input.{i}", t)
+            for i, t in enumerate(inputs):
+                if id(t) not in slots:
+                    add(event, _INPUT_SLOTS[i] if i < 32 else f"input.{i}", t)
             if rec.mode == "replay":
                 for name, p in list(module.named_parameters()) + list(module.named_buffers()):
-                    rec.add(event, f"param.{name}", p)
+                    add(event, f"param.{name}", p)
         encoded = None
         if rec.mode == "replay":
             slot = lambda t: rec.slot_of(event, t)  # noqa: E731
             encoded = {**encode_call(args, kwargs, slot), "training": module.training}
         self._fwd_inputs.setdefault(id(module), []).append((event, encoded))
 
-    def _fwd_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _post(self, scope: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if _is_compiling():
             return
-        scope = self._names.get(module, "")
-        if scope in self._stack:
-            del self._stack[len(self._stack) - 1 - self._stack[::-1].index(scope)]
+        stack = self._stack
+        if stack and stack[-1] == scope:
+            stack.pop()
+        elif scope in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(scope)]
+        outputs = None
         boundaries = self._boundaries.get(id(module))
         if boundaries:
             boundary, n_inputs = boundaries.pop()
             try:
-                edges = _tag_graph(output, scope, boundary, self._shortcuts)
-                if self._wants(module):
-                    self._watch_backward(module, scope, output, boundary, edges, n_inputs)
+                outputs = flatten_tensors(output)
+                edges = _tag_graph(outputs, scope, boundary, self._shortcuts, self._tag_nodes)
+                if self._wants(scope):
+                    self._watch_backward(module, scope, outputs, boundary, edges, n_inputs)
             except Exception as err:  # noqa: BLE001
                 self.capture_failed(err)
         if self._recomputing:
@@ -380,10 +533,13 @@ class ModuleHooks:
             return
         self.paused = True
         try:
+            if outputs is None:
+                outputs = flatten_tensors(output)
+            rec = self.recorder
             with _NoGrad():
-                for i, t in enumerate(flatten_tensors(output)):
-                    self.recorder.add(event, f"output.{i}", t)
-            self.recorder.finish(event, args=encoded)
+                for i, t in enumerate(outputs):
+                    rec.add(event, _OUTPUT_SLOTS[i] if i < 32 else f"output.{i}", t)
+            rec.finish(event, args=encoded)
         except Exception as err:  # noqa: BLE001
             self.capture_failed(err)
         finally:
@@ -396,49 +552,51 @@ class ModuleHooks:
     # gradient of the value the module returned, even if it is modified in place afterwards), and
     # grad_input from post-hooks on the module's nodes whose edges lead to its inputs: exactly
     # the module's own contribution, as the module hooks gave.
-    def _watch_backward(self, module: nn.Module, scope: str, output: Any, boundary: "_Boundary",
-                        edges: list, n_inputs: int) -> None:
-        outputs = flatten_tensors(output)
+    def _watch_backward(self, module: nn.Module, scope: str, outputs: List[torch.Tensor],
+                        boundary: "_Boundary", edges: list, n_inputs: int) -> None:
         call = {"scope": scope, "name": class_name(module), "outputs": {}, "inputs": {},
                 "remaining": 0, "step": self.recorder.step, "done": False}
+        partial, remaining = functools.partial, 0
         for k, t in enumerate(outputs):
             if not t.requires_grad:
                 continue
-            if t.grad_fn is not None:
-                t.grad_fn.register_prehook(self._grad_output_hook(call, k, t.output_nr))
+            node = t.grad_fn
+            if node is not None:
+                node.register_prehook(partial(self._grad_output, call, k, t.output_nr))
             else:
-                t.register_hook(self._grad_output_hook(call, k, None))
-            call["remaining"] += 1
+                t.register_hook(partial(self._grad_output, call, k, None))
+            remaining += 1
+        slot_of = boundary.slot_of
         for node, j, key in edges:
-            node.register_hook(self._grad_input_hook(call, boundary.slot_of[key], j))
-            call["remaining"] += 1
-        if call["remaining"]:
+            node.register_hook(partial(self._grad_input, call, slot_of[key], j))
+            remaining += 1
+        if remaining:
+            call["remaining"] = remaining
             self._backward_calls.append(call)
 
-    def _grad_output_hook(self, call: dict, k: int, output_nr: Optional[int]) -> Any:
-        def hook(grads: Any) -> None:
-            grad = grads if output_nr is None else grads[output_nr]
-            if isinstance(grad, torch.Tensor):
-                call["outputs"][k] = grad
-            self._arrived(call)
-        return hook
+    def _grad_output(self, call: dict, k: int, output_nr: Optional[int], grads: Any) -> None:
+        grad = grads if output_nr is None else grads[output_nr]
+        if isinstance(grad, torch.Tensor):
+            call["outputs"][k] = grad
+        call["remaining"] -= 1
+        if call["remaining"] == 0:
+            self._emit_backward(call)
 
-    def _grad_input_hook(self, call: dict, i: int, j: int) -> Any:
-        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-            grad = grad_inputs[j]
-            if isinstance(grad, torch.Tensor):
+    def _grad_input(self, call: dict, i: int, j: int, grad_inputs: Any, grad_outputs: Any) -> None:
+        grad = grad_inputs[j]
+        if isinstance(grad, torch.Tensor):
+            inputs = call["inputs"]
+            prev = inputs.get(i)
+            if prev is None:
+                inputs[i] = grad
+            else:
                 # capture's own arithmetic: not an op of the model's backward
                 was_paused, self.paused = self.paused, True
                 try:
                     with _NoGrad():
-                        prev = call["inputs"].get(i)
-                        call["inputs"][i] = grad if prev is None else prev + grad
+                        inputs[i] = prev + grad
                 finally:
                     self.paused = was_paused
-            self._arrived(call)
-        return hook
-
-    def _arrived(self, call: dict) -> None:
         call["remaining"] -= 1
         if call["remaining"] == 0:
             self._emit_backward(call)
@@ -451,13 +609,14 @@ class ModuleHooks:
         call["done"] = True
         was_paused, self.paused = self.paused, True
         try:
-            event = self.recorder.begin("module", call["scope"], call["name"], "backward")
+            rec = self.recorder
+            event = rec.begin("module", call["scope"], call["name"], "backward")
             with _NoGrad():
                 for k, grad in sorted(call["outputs"].items()):
-                    self.recorder.add(event, f"grad_output.{k}", grad)
+                    rec.add(event, f"grad_output.{k}", grad)
                 for i, grad in sorted(call["inputs"].items()):
-                    self.recorder.add(event, f"grad_input.{i}", grad)
-            self.recorder.finish(event)
+                    rec.add(event, f"grad_input.{i}", grad)
+            rec.finish(event)
         except Exception as err:  # noqa: BLE001
             self.capture_failed(err)
         finally:

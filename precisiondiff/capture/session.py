@@ -63,7 +63,7 @@ def _freeze_heap() -> bool:
 def _compiled(model: nn.Module) -> Optional[str]:
     """The path of a ``torch.compile``d module inside ``model`` (``""`` for the root), or None."""
     for name, module in model.named_modules():
-        if hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
+        if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
             return name
     return None
 
@@ -140,7 +140,9 @@ class CaptureSession(ModuleHooks):
         self._touched: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueDictionary()
         self._param_owner: Dict[int, tuple] = {}
         self._mode: Optional[OpCaptureMode] = None
-        self._tag_nodes = True
+        # autograd nodes carry their module's scope for backward ops: not when no op is recorded
+        self._tag_nodes = level != "module"
+        self._scopes_wanted: Dict[str, bool] = {}  # the scope filter's answers
         self._boundaries: Dict[int, List[tuple]] = {}
         self._shortcuts: Dict[int, tuple] = {}  # keyed by id(node); cleared every step
         self._backward_calls: List[dict] = []  # module backward calls waiting for gradients
@@ -405,6 +407,7 @@ class CaptureSession(ModuleHooks):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._direct = None
 
 
 def capture(out: "str | os.PathLike | None" = None, *, model: Optional[nn.Module] = None,

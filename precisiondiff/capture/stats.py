@@ -103,6 +103,42 @@ def _segment_sums_int(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return torch.diff(prefix, prepend=prefix.new_zeros(1))
 
 
+# integer tensors measured exactly by NumPy (_integer_stats): their bit patterns are their values
+_INTEGERS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+             torch.bool: np.bool_}
+_EXACT = float(1 << 53)  # float64 holds every integer up to this, and sums of them below it
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SALTS = salts("cpu").numpy()
+
+
+def _integer_stats(t: torch.Tensor, numel: int) -> "Tuple[dict, float] | None":
+    """The statistics record of a small plain CPU integer (or bool) tensor computed by NumPy,
+    and its sum of squares (the record's ``norm`` is its square root by PyTorch, as the batched
+    path takes it: :meth:`StatsBatch._resolve_integers`); None where they could differ from
+    :func:`_segmented`'s in any bit.
+
+    Token ids and masks: the batched path's ~25 PyTorch ops cost ~0.4 ms for one such tensor.
+    When ``numel * max|x|**2`` stays below 2**53, each float64 sum (of x, |x|, x**2) is an exact
+    integer whatever the order of its additions, so these are the batched path's numbers to the
+    last bit (the divisions are IEEE's in both); the fingerprint is the same formula modulo 2**64."""
+    if type(t) not in _PLAIN or not t.is_cpu or t.is_neg():
+        return None
+    try:
+        values = t.numpy().reshape(-1).astype(np.int64)
+    except (RuntimeError, TypeError, ValueError):  # memory NumPy cannot view
+        return None
+    top = float(max(-int(values.min()), int(values.max())))
+    if top * top * numel >= _EXACT:
+        return None
+    x = values.astype(np.float64)
+    total, absolute, squares = float(x.sum()), float(np.abs(x).sum()), float((x * x).sum())
+    salted = (values + 1) * _SALTS[:numel]  # int64 arithmetic wraps, as the batched path's
+    record = {"min": float(x.min()), "max": float(x.max()), "mean": total / numel,
+              "abs_mean": absolute / numel, "norm": None, "nan": 0, "inf": 0,
+              "fingerprint": fingerprint_hex([int(salted.sum()), int((salted * values).sum())])}
+    return record, squares
+
+
 def copy_to_host(tensors: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.Event]]:
     """Start copying tensors of one device to the host: into pinned memory without blocking, with
     an event recorded after the copies; (host tensors, event). CPU tensors are returned as they
@@ -152,6 +188,7 @@ class StatsBatch:
         self._large: Dict[torch.device, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._small: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
         self._results: Dict[int, dict] = {}
+        self._integers: Dict[int, Tuple[dict, float]] = {}  # handle -> (record, sum of squares)
         # started read-backs: (handles, host stats, host fingerprints, copy-done event or None)
         self._inflight: List[Tuple[List[int], torch.Tensor, torch.Tensor, Optional[torch.Event]]] = []
         self._next = 0
@@ -186,6 +223,11 @@ class StatsBatch:
                 pass  # no NumPy view (a negative-bit view, a tensor subclass): the eager path below
             else:
                 self._fused[handle] = (row, numel)
+                return handle
+        if t.dtype in _INTEGERS and numel <= min(self.small_elements, SMALL_TENSOR_ELEMENTS):
+            found = _integer_stats(t, numel)
+            if found is not None:
+                self._integers[handle] = found
                 return handle
         with torch.no_grad():
             if t.is_conj() or t.is_neg():  # lazy views: their values, not their memory's
@@ -231,6 +273,7 @@ class StatsBatch:
     def resolve(self) -> None:
         """Reduce the queued small tensors, then one host copy per device for everything."""
         self._resolve_fused()
+        self._resolve_integers()
         self.start()
         for handles, stats, fps, done in self._inflight:
             if done is not None:
@@ -260,6 +303,20 @@ class StatsBatch:
                 "fingerprint": _HEX(*fps[row])}
         self._fused.clear()
 
+    def _resolve_integers(self) -> None:
+        """The norms of the integer tensors :func:`_integer_stats` measured: one PyTorch square
+        root for all (PyTorch's float64 square root is not always the correctly rounded one, and
+        the batched path takes it)."""
+        if not self._integers:
+            return
+        items = list(self._integers.items())
+        self._integers.clear()
+        with torch.no_grad():
+            norms = torch.tensor([squares for _, (_, squares) in items], dtype=torch.float64).sqrt().tolist()
+        for (handle, (record, _)), norm in zip(items, norms):
+            record["norm"] = norm
+            self._results[handle] = record
+
     def put_results(self, records: List[dict]) -> int:
         """Statistics records computed elsewhere (the compiled capture engine's hook runs the
         fused kernel through its C entry points and formats the rows as :meth:`resolve` does);
@@ -273,11 +330,13 @@ class StatsBatch:
         result = self._results.get(handle)
         if result is None:
             self._resolve_fused()
+            self._resolve_integers()
             result = self._results[handle]
         return result
 
     def clear(self) -> None:
         self._fused.clear()
+        self._integers.clear()
         self._inflight.clear()
         self._small.clear()
         self._large.clear()
