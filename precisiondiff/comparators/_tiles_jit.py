@@ -49,29 +49,13 @@ _REV5 = np.array([int(f"{t:05b}"[::-1], 2) for t in range(32)], dtype=np.int64)
 
 
 @_inline
-def _elem(ab, x, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
-          lvl1, lvl5, max_finite):  # pragma: no cover - compiled
-    """One element: actual bits ``ab`` (sign-extended int), expected ``x``. Returns the nine
-    row values, the ULP distance, the flags and the bit patterns of the maxima's values."""
-    sgn = ab >> 63
-    mag = ab & mask
+def _rows(ab, x, mb, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5):  # pragma: no cover
+    """One element's row values: actual bits ``ab`` (sign-extended int), expected ``x``.
+    Returns the rows, the packed flags of the counts on them and the bit patterns of the
+    maxima's values."""
     # actual -> float32 bits (bfloat16: the upper half) -> float64, exact
     a = np.float64(np.int32(ab << (23 - mb)).view(np.float32))
-    nonfin = np.int64((mag & expm) == expm)
-    akey = (mag ^ sgn) - sgn
-    # expected rounded to the format, to nearest even, as an ordered key
     eb = np.float64(x).view(np.int64)
-    esg = eb >> 63
-    emag = eb & _ABS
-    mm = emag - _REBIAS
-    rn = (mm + ((np.int64(1) << (sh - 1)) - 1) + ((mm >> sh) & 1)) >> sh
-    # below the smallest normal: rint(|x| / spacing) through the float64 addition of 2**52
-    # (xs <= 2**23: the sum is in [2**52, 2**53), where it rounds to an integer, to even)
-    xs = min(np.int64(emag).view(np.float64), r_cap) * r_sub
-    rs = np.float64(xs + _TWO52).view(np.int64) - _TWO52_BITS
-    rmag = rs if emag < (np.int64(897) << 52) else rn
-    rkey = (rmag ^ esg) - esg
-    dist = abs(akey - rkey)
     d = a - x
     ad = abs(d)
     ax = abs(x)
@@ -83,16 +67,39 @@ def _elem(ab, x, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
     # bits; NaN patterns are above every finite one): a flag is a sign bit, ``>> 63`` makes it
     # 0 or -1, shifted into its 9-bit field of a packed (negated) count
     adb = np.float64(ad).view(np.int64)
-    axb = np.float64(ax).view(np.int64)
     relb = np.float64(rel).view(np.int64)
     outb = np.float64(ax * tol_r + tol_a).view(np.int64)
     dsb = np.float64(d).view(np.int64)
     flags = (((-adb) >> 63) + (((dsb & (-adb)) >> 63) << 9) + (((outb - adb) >> 63) << 18)
-             + (((lvl1 - relb) >> 63) << 27) + (((lvl5 - relb) >> 63) << 36)
-             + (((dist - 1) >> 63) << 45) + (((dist - 2) >> 63) << 54))
-    bad = (((max_finite - axb) >> 63) & 1) | nonfin
-    return (ad, ax, d * d, x * x, a * a, a * x, rel, np.float64(dist), ue, dist, bad << 60, flags,
-            adb, relb, np.float64(ue).view(np.int64), np.float64(v3).view(np.int64))
+             + (((lvl1 - relb) >> 63) << 27) + (((lvl5 - relb) >> 63) << 36))
+    return (ad, ax, d * d, x * x, a * a, a * x, rel, ue, flags, adb, relb,
+            np.float64(ue).view(np.int64), np.float64(v3).view(np.int64))
+
+
+@_inline
+def _dist(ab, x, mb, sh, mask, expm, r_sub, r_cap, max_finite):  # pragma: no cover
+    """One element's ULP distance, its flags (distance 0, distance <= 1) and ``bad << 60``
+    (an actual that is not finite, ``|expected|`` above ``max_finite``)."""
+    sgn = ab >> 63
+    mag = ab & mask
+    nonfin = np.int64((mag & expm) == expm)
+    akey = (mag ^ sgn) - sgn
+    # expected rounded to the format, to nearest even, as an ordered key
+    eb = np.float64(x).view(np.int64)
+    esg = eb >> 63
+    emag = eb & _ABS  # the bits of |x|
+    mm = emag - _REBIAS
+    rn = (mm + ((np.int64(1) << (sh - 1)) - 1) + ((mm >> sh) & 1)) >> sh
+    # below the smallest normal: rint(|x| / spacing) through the float64 addition of 2**52
+    # (xs <= 2**23: the sum is in [2**52, 2**53), where it rounds to an integer, to even)
+    xs = min(np.int64(emag).view(np.float64), r_cap) * r_sub
+    rs = np.float64(xs + _TWO52).view(np.int64) - _TWO52_BITS
+    rmag = rs if emag < (np.int64(897) << 52) else rn
+    rkey = (rmag ^ esg) - esg
+    dist = abs(akey - rkey)
+    flags = (((dist - 1) >> 63) << 45) + (((dist - 2) >> 63) << 54)
+    bad = (((max_finite - emag) >> 63) & 1) | nonfin
+    return dist, bad << 60, flags
 
 
 @_jit
@@ -123,19 +130,18 @@ def _stage_part(a_src, e_src, g0, m, c, rev, A, E):  # pragma: no cover - compil
 @_jit
 def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
            tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
-    """The element pass of one staged chunk with the tree's first level: positions ``q`` and
-    ``q + 128`` (the pair ``t, t ^ 1``) in one iteration, ``R[128 j + q]`` their sum in row
-    ``j``; ``DI[p]`` the ULP distance at ``p``; counts and maxima into ``acc``."""
+    """The element pass of one staged chunk, as two loops (one would keep more values than
+    AVX2's 16 vector registers hold: spills). The rows with the tree's first level: positions
+    ``q`` and ``q + 128`` (the pair ``t, t ^ 1``) in one iteration, ``R[128 j + q]`` their sum
+    in row ``j``; then the ULP distances, ``DI[p]`` at ``p``. Counts and maxima into ``acc``."""
     _wide()
-    packed = dsum = 0
-    m0 = m1 = m2 = m3 = m4 = 0
+    packed = 0
+    m0 = m1 = m3 = m4 = 0
     for q in range(_HALF):
-        (ad, ax, d2, x2, a2, ax_, rel, fd, ue, dist, bad, flags, adb, relb, ueb, v3b) = _elem(
-            A[q], E[q], mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-            tol_r, lvl1, lvl5, max_finite)
-        (bd, bx, e2, y2, b2, bx_, rel2, fd2, ue2, dist2, bad2, flags2, bdb, relb2, ueb2,
-         v3b2) = _elem(A[_HALF + q], E[_HALF + q], mb, sh, mask, expm, r_sub, r_cap, tiny,
-                       floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite)
+        (ad, ax, d2, x2, a2, ax_, rel, ue, flags, adb, relb, ueb, v3b) = _rows(
+            A[q], E[q], mb, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5)
+        (bd, bx, e2, y2, b2, bx_, rel2, ue2, flags2, bdb, relb2, ueb2, v3b2) = _rows(
+            A[_HALF + q], E[_HALF + q], mb, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5)
         R[q] = ad + bd
         R[_HALF + q] = ax + bx
         R[2 * _HALF + q] = d2 + e2
@@ -144,15 +150,18 @@ def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3,
         R[5 * _HALF + q] = ax_ + bx_
         R[6 * _HALF + q] = rel + rel2
         R[8 * _HALF + q] = ue + ue2
-        DI[q] = dist
-        DI[_HALF + q] = dist2
         packed += flags + flags2
-        dsum += dist + dist2
         m0 = max(m0, max(adb, bdb))
         m1 = max(m1, max(relb, relb2))
-        m2 = max(m2, max(dist | bad, dist2 | bad2))
         m3 = max(m3, max(ueb, ueb2))
         m4 = max(m4, max(v3b, v3b2))
+    dsum = m2 = 0
+    for p in range(_CHUNK):
+        dist, bad, flags = _dist(A[p], E[p], mb, sh, mask, expm, r_sub, r_cap, max_finite)
+        DI[p] = dist
+        packed += flags
+        dsum += dist
+        m2 = max(m2, dist | bad)
     acc[0] += m2 >> 60  # a value the fused path cannot take
     packed = -packed
     acc[14] += dsum  # the ULP row: integers, so every float64 tree of them is exact
@@ -298,7 +307,8 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
         nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1b, lvl5b, mfb, acc, block_sums,
                    i // _BLOCK)
-        if acc[0] == 0 and acc[9] >= 65536:  # distances >= 2**16: how many?
+        if acc[0] == 0 and acc[9] >= 65536 and nbig + c > bigs.shape[0]:
+            # distances >= 2**16 (at most c) and maybe no room for them: how many?
             acc[6] = _count_big(DI, nb * _BLOCK)
         if acc[0] != 0 or nbig + acc[6] > bigs.shape[0]:
             # nothing committed but block sums: the caller recomputes the tile

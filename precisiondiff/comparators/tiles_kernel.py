@@ -10,11 +10,12 @@ infinity, ``|expected|`` above the format's largest value, more ULP distances of
 more than it keeps) is left untouched and reported, for the PyTorch path. How the pass is
 laid out for SIMD: :mod:`precisiondiff.comparators._tiles_jit`.
 
-The kernel releases the GIL: :func:`run` splits the tiles into disjoint ranges, one per
-thread (``torch.get_num_threads()``), on a pool kept between calls.
+The kernel releases the GIL: :func:`run` hands the tiles out in batches to
+``torch.get_num_threads()`` threads, on a pool kept between calls.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -40,9 +41,9 @@ def _kernels():
 
 def compare_range(kind: int, a: np.ndarray, e: np.ndarray, n: int, tile: int, t0: int, t1: int,
                   params: tuple, block_sums: np.ndarray, counts: np.ndarray, maxes: np.ndarray,
-                  hist: np.ndarray) -> tuple:
+                  hist: np.ndarray, bigs: "np.ndarray | None" = None) -> tuple:
     """Run tiles ``t0 .. t1 - 1``; return (tiles left for the PyTorch path, ULP distances
-    >= 2**16 of the tiles done, as an int64 array).
+    >= 2**16 of the tiles done, as an int64 array: the start of ``bigs`` when given).
 
     Args:
         kind: :data:`BF16` (``a`` holds the int16 bit patterns) or :data:`F32` (``a`` holds
@@ -52,10 +53,14 @@ def compare_range(kind: int, a: np.ndarray, e: np.ndarray, n: int, tile: int, t0
         params: ``(tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r, max_finite, lvl1,
             lvl5)``.
         block_sums: float64 ``(9, blocks)``, written at the tiles' blocks.
-        counts: int64 ``(9,)``, maxes: float64 ``(5,)``, hist: int64 ``(65536,)``: accumulated.
+        counts: int64 ``(9,)``, maxes: float64 ``(5,)``, hist: int32 or int64 ``(65536,)``:
+            accumulated.
+        bigs: int64 room for the large distances (a tile that does not fit goes to the
+            PyTorch path); by default as many as the tiles hold, at most ``_MAX_BIG``.
     """
     failed = np.empty(max(t1 - t0, 1), dtype=np.int64)
-    bigs = np.empty(min(max(t1 - t0, 1) * tile, _MAX_BIG), dtype=np.int64)
+    if bigs is None:
+        bigs = np.empty(min(max(t1 - t0, 1) * tile, _MAX_BIG), dtype=np.int64)
     out = np.zeros(2, dtype=np.int64)
     _kernels()._tiles(kind, a, e, n, tile, t0, t1, *params, block_sums, counts, maxes, hist,
                       bigs, failed, out)
@@ -64,6 +69,7 @@ def compare_range(kind: int, a: np.ndarray, e: np.ndarray, n: int, tile: int, t0
 
 _MAX_BIG = 1 << 20  # large ULP distances kept per thread; past it, tiles go to the PyTorch path
 _MIN_PER_THREAD = 1 << 20  # elements: below this one thread (starting threads costs ~0.1 ms)
+_MAX_BATCH = 8  # tiles a thread takes at a time, at most (8 * 65536 elements: ~3 ms)
 
 
 def usable(actual: "torch.Tensor", expected: "torch.Tensor", device: "torch.device") -> bool:
@@ -90,18 +96,33 @@ def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, par
     e = expected.numpy()
     tiles = -(-n // tile)
     threads = max(1, min(torch.get_num_threads(), n // _MIN_PER_THREAD, tiles))
-    bounds = [tiles * k // threads for k in range(threads + 1)]
+    # the threads take batches of tiles as they go (on a shared machine one core may run
+    # slower: equal shares would leave the other waiting), ~16 batches per thread
+    batch = tiles if threads == 1 else max(1, min(_MAX_BATCH, tiles // (16 * threads)))
+    grab = itertools.count()  # next() of a count is atomic under the GIL
     sums = block_sums.numpy()
-    parts = [(np.zeros(9, dtype=np.int64), np.zeros(5), np.zeros(1 << 16, dtype=np.int64))
+    # int32 counts while no count can reach 2**31: half the histogram's cache footprint (its
+    # increments land at random in 65536 bins: float32 distances spread over thousands)
+    hdt = np.int32 if n < 1 << 31 else np.int64
+    parts = [(np.zeros(9, dtype=np.int64), np.zeros(5), np.zeros(1 << 16, dtype=hdt))
              for _ in range(threads)]
 
     def work(k: int) -> tuple:
         c, m, h = parts[k]
-        return compare_range(kind, a, e, n, tile, bounds[k], bounds[k + 1], params, sums, c, m, h)
+        bigs = np.empty(min(tiles * tile, _MAX_BIG), dtype=np.int64)  # per thread, as before
+        used, left = 0, []
+        while True:
+            t0 = next(grab) * batch
+            if t0 >= tiles:
+                return left, bigs[:used]
+            f, b = compare_range(kind, a, e, n, tile, t0, min(t0 + batch, tiles), params, sums,
+                                 c, m, h, bigs[used:])
+            left += f
+            used += b.size
 
     if threads == 1:
         results = [work(0)]
-    else:  # the calling thread takes the first range
+    else:  # the calling thread works too
         futures = [_pool(threads - 1).submit(work, k) for k in range(1, threads)]
         results = [work(0)] + [f.result() for f in futures]
     failed = []
@@ -116,9 +137,10 @@ def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, par
         if bigs.size:
             hist.add(torch.from_numpy(bigs))
         failed.extend(tiles_left)
+    failed.sort()
     if done:  # distances below 2**16 reach at most the largest one: hand over only that much
         top = min(int(max(m[2] for _, m, _ in parts)) + 1, 1 << 16)
-        hist.add_counts(torch.from_numpy(total[:top]))
+        hist.add_counts(torch.from_numpy(total[:top].astype(np.int64)))
     return failed
 
 

@@ -124,3 +124,20 @@ def test_fused_tree_order_and_subnormal_rounding(dtype):
     a = (e * (1 + 1e-2 * torch.randn(n, generator=g, dtype=torch.float64))).to(dtype)
     _assert_bitwise(*_both(a, e, fused=True))
     _assert_bitwise(*_both(a, e, fused=True, atol=1e-30, rtol=1e-3))
+
+
+@pytest.mark.parametrize("room", [0, 70_000, 1 << 20])
+def test_large_distances_beyond_the_kept_room(monkeypatch, room):
+    """float32 distances of 2**16 and more, kept per thread up to ``_MAX_BIG``: the tiles past
+    that room go to the PyTorch path, with the same numbers (threads taking batches)."""
+    monkeypatch.setattr(tiles_kernel, "_MIN_PER_THREAD", 1 << 12)
+    monkeypatch.setattr(tiles_kernel, "_MAX_BIG", room)
+    g = torch.Generator().manual_seed(5)
+    e = torch.randn(300_000, generator=g, dtype=torch.float64)
+    a = (e * (1 + 0.3 * torch.randn(300_000, generator=g, dtype=torch.float64))).to(torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _assert_bitwise(*_both(a, e))
+    finally:
+        torch.set_num_threads(threads)
