@@ -3,23 +3,24 @@ importing numba costs about half a second).
 
 Layout. A 4096-element block is staged, 256 elements (a chunk) at a time, into a permuted
 order in which every level of its pairwise tree ``x[2i] + x[2i+1]`` is a vertical (SIMD)
-addition of two contiguous halves, with no shuffles: element ``k = 512 l + 32 c + t`` (lane
-``l < 8``, chunk ``c < 16``, ``t < 32``) goes to position ``rev5(t) * 8 + l`` of chunk ``c``
-(``rev5`` reverses 5 bits), so the tree's pairs ``t, t ^ 1`` are 128 apart, then 64, 32, 16
-and 8 for its next levels. The element pass (one simple loop that LLVM vectorises) takes the
-two elements of each first-level pair and writes the rows' first level; halving passes reduce
-each row to its eight lane values; the chunk and lane levels
-(7 of the 12) are scalar. The tree, hence every sum, is the one of the PyTorch tile. The
-ULP-distance row is summed as integers: a float64 tree over 4096 integers below 2**33 adds
-exactly, so it equals their integer sum. The vectorised loops ask for 512-bit vectors
-(:func:`_wide`; AVX2 machines get 256-bit ones).
+addition of two contiguous halves, with no shuffles: element ``k = 1024 l + 64 c + t`` (lane
+``l < 4``, chunk ``c < 16``, ``t < 64``) goes to position ``rev6(t) * 4 + l`` of chunk ``c``
+(``rev6`` reverses 6 bits), so the tree's pairs ``t, t ^ 1`` are 128 apart, then 64, 32, 16,
+8 and 4 for its next levels. Four lanes, AVX2's float64 width: the staging reads 4 streams
+(with 8 lanes, 8 streams 4 KiB apart met in the same L1 sets: the staging took ~20% longer).
+The element pass (loops that LLVM vectorises) takes the two elements of each first-level pair
+and writes the rows' first level; halving passes reduce each row to its four lane values;
+the chunk and lane levels (6 of the 12) are scalar. The tree, hence every sum, is the one of
+the PyTorch tile. The ULP-distance row is summed as integers: a float64 tree over 4096
+integers below 2**33 adds exactly, so it equals their integer sum. The vectorised loops ask
+for 512-bit vectors (:func:`_wide`; AVX2 machines get 256-bit ones).
 
 Every element value is computed with the same IEEE float64 operations as the PyTorch tile
 (no fast-math, no contraction). Integer bit tricks replace only operations they reproduce
 exactly: the rounding of ``expected`` to the format (round to nearest even on the bits, a
-scaled ``rint``, as an addition of 2**52, below the smallest normal), the conversion of bfloat16/float32 to float64,
-``|d| / spacing`` as ``|d| * (1 / spacing)`` (spacing is a power of two whose reciprocal is a
-normal float64: the same correctly rounded value), and comparisons of non-negative float64
+scaled ``rint``, as an addition of 2**52, below the smallest normal), the conversion of
+bfloat16/float32 to float64, ``|d| / spacing`` as ``|d| * (1 / spacing)`` (spacing is a power
+of two whose reciprocal is a normal float64: the same correctly rounded value), and comparisons of non-negative float64
 values as comparisons of their bit patterns (they order alike; NaN patterns lie above every
 finite one), which is how counts and maxima are taken.
 """
@@ -45,7 +46,8 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _inline = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 
 
-_REV5 = np.array([int(f"{t:05b}"[::-1], 2) for t in range(32)], dtype=np.int64)
+_LANES = 4  # AVX2's float64 vector width: the staging writes a lane run with one vector store
+_REV6 = np.array([int(f"{t:06b}"[::-1], 2) for t in range(64)], dtype=np.int64)
 
 
 @_inline
@@ -104,27 +106,27 @@ def _dist(ab, x, mb, sh, mask, expm, r_sub, r_cap, max_finite):  # pragma: no co
 
 @_jit
 def _stage_full(a_src, e_src, s0, rev, A, E):  # pragma: no cover - compiled
-    """Chunk starting at ``s0`` (element ``t`` of lane ``l`` at ``s0 + 512 l + t``) into its
+    """Chunk starting at ``s0`` (element ``t`` of lane ``l`` at ``s0 + 1024 l + t``) into its
     permuted order."""
-    for t in range(32):
-        o = rev[t] * 8
-        for l in range(8):
-            A[o + l] = np.int64(a_src[s0 + 512 * l + t])
-            E[o + l] = e_src[s0 + 512 * l + t]
+    for t in range(64):
+        o = rev[t] * _LANES
+        for l in range(_LANES):
+            A[o + l] = np.int64(a_src[s0 + 1024 * l + t])
+            E[o + l] = e_src[s0 + 1024 * l + t]
 
 
 @_jit
 def _stage_part(a_src, e_src, g0, m, c, rev, A, E):  # pragma: no cover - compiled
     """Chunk ``c`` of a partial block at ``g0`` (``m`` valid elements); zeros past ``m``."""
-    for l in range(8):
-        k0 = 512 * l + 32 * c
-        valid = min(32, max(0, m - k0))
+    for l in range(_LANES):
+        k0 = 1024 * l + 64 * c
+        valid = min(64, max(0, m - k0))
         for t in range(valid):
-            A[rev[t] * 8 + l] = np.int64(a_src[g0 + k0 + t])
-            E[rev[t] * 8 + l] = e_src[g0 + k0 + t]
-        for t in range(valid, 32):
-            A[rev[t] * 8 + l] = 0
-            E[rev[t] * 8 + l] = 0.0
+            A[rev[t] * _LANES + l] = np.int64(a_src[g0 + k0 + t])
+            E[rev[t] * _LANES + l] = e_src[g0 + k0 + t]
+        for t in range(valid, 64):
+            A[rev[t] * _LANES + l] = 0
+            E[rev[t] * _LANES + l] = 0.0
 
 
 @_jit
@@ -178,7 +180,7 @@ def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3,
 
 @_jit
 def _halve(R):  # pragma: no cover - compiled
-    """Tree levels 2-5 of every row (level 1 is in :func:`_chunk`): pairs 64, 32, 16 and 8
+    """Tree levels 2-6 of every row (level 1 is in :func:`_chunk`): pairs 64, 32, 16, 8 and 4
     apart (constant distances: LLVM sees no dependence and vectorises)."""
     _wide()
     for j in range(9):
@@ -193,6 +195,8 @@ def _halve(R):  # pragma: no cover - compiled
             R[o + q] = R[o + q] + R[o + q + 16]
         for q in range(8):
             R[o + q] = R[o + q] + R[o + q + 8]
+        for q in range(4):
+            R[o + q] = R[o + q] + R[o + q + 4]
 
 
 @_jit
@@ -211,25 +215,21 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
         acc[14] = 0
         for ch in range(_BLOCK // _CHUNK):
             if m == _BLOCK:
-                _stage_full(a_src, e_src, g0 + 32 * ch, rev, A, E)
+                _stage_full(a_src, e_src, g0 + 64 * ch, rev, A, E)
             else:
                 _stage_part(a_src, e_src, g0, m, ch, rev, A, E)
             _chunk(A, E, R, DI[b * _BLOCK + ch * _CHUNK:], mb, sh, mask, expm, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
             _halve(R)
             for j in range(9):
-                for l in range(8):
-                    C[j, ch * 8 + l] = R[j * _HALF + l]
+                for l in range(_LANES):
+                    C[j, ch * _LANES + l] = R[j * _HALF + l]
         for j in range(9):
             w0 = _lane(C, j, 0)
             w1 = _lane(C, j, 1)
             w2 = _lane(C, j, 2)
             w3 = _lane(C, j, 3)
-            w4 = _lane(C, j, 4)
-            w5 = _lane(C, j, 5)
-            w6 = _lane(C, j, 6)
-            w7 = _lane(C, j, 7)
-            block_sums[j, first_block + b] = ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7))
+            block_sums[j, first_block + b] = (w0 + w1) + (w2 + w3)
         # integers below 2**33, 4096 of them: each partial sum of the tree is exact
         block_sums[7, first_block + b] = np.float64(acc[14])
     return nb
@@ -237,11 +237,11 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
 
 @_inline
 def _lane(C, j, l):  # pragma: no cover - compiled
-    """Lane ``l``'s 512-element subtree from its 16 chunk sums."""
-    return ((((C[j, l] + C[j, 8 + l]) + (C[j, 16 + l] + C[j, 24 + l]))
-             + ((C[j, 32 + l] + C[j, 40 + l]) + (C[j, 48 + l] + C[j, 56 + l])))
-            + (((C[j, 64 + l] + C[j, 72 + l]) + (C[j, 80 + l] + C[j, 88 + l]))
-               + ((C[j, 96 + l] + C[j, 104 + l]) + (C[j, 112 + l] + C[j, 120 + l]))))
+    """Lane ``l``'s 1024-element subtree from its 16 chunk sums."""
+    return ((((C[j, l] + C[j, 4 + l]) + (C[j, 8 + l] + C[j, 12 + l]))
+             + ((C[j, 16 + l] + C[j, 20 + l]) + (C[j, 24 + l] + C[j, 28 + l])))
+            + (((C[j, 32 + l] + C[j, 36 + l]) + (C[j, 40 + l] + C[j, 44 + l]))
+               + ((C[j, 48 + l] + C[j, 52 + l]) + (C[j, 56 + l] + C[j, 60 + l]))))
 
 
 @_jit
@@ -287,14 +287,14 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     floor_bits = np.float64(sp_floor).view(np.int64)
     if not has_tol:
         tol_a = np.inf  # nothing is outside
-    rev = _REV5
+    rev = _REV6
     lvl1b = np.float64(lvl1).view(np.int64)
     lvl5b = np.float64(lvl5).view(np.int64)
     mfb = np.float64(max_finite).view(np.int64)
     A = np.empty(_CHUNK, dtype=np.int64)
     E = np.empty(_CHUNK, dtype=np.float64)
     R = np.empty(9 * _HALF, dtype=np.float64)
-    C = np.empty((9, 128), dtype=np.float64)
+    C = np.empty((9, 16 * _LANES), dtype=np.float64)
     DI = np.empty(-(-tile // _BLOCK) * _BLOCK, dtype=np.int64)
     hs = np.zeros(8 * _SMALL, dtype=np.int64)
     acc = np.zeros(15, dtype=np.int64)
