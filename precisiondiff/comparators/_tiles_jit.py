@@ -20,9 +20,9 @@ Every element value is computed with the same IEEE float64 operations as the PyT
 exactly: the rounding of ``expected`` to the format (round to nearest even on the bits, a
 scaled ``rint``, as an addition of 2**52, below the smallest normal), the conversion of
 bfloat16/float32 to float64, ``|d| / spacing`` as ``|d| * (1 / spacing)`` (spacing is a power
-of two whose reciprocal is a normal float64: the same correctly rounded value), and comparisons of non-negative float64
-values as comparisons of their bit patterns (they order alike; NaN patterns lie above every
-finite one), which is how counts and maxima are taken.
+of two whose reciprocal is a normal float64: the same correctly rounded value), and
+comparisons of non-negative float64 values as comparisons of their bit patterns (they order
+alike; NaN patterns lie above every finite one), which is how counts and maxima are taken.
 """
 from __future__ import annotations
 
