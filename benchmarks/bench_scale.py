@@ -157,8 +157,20 @@ def _timed(cmd: List[str], env: Dict[str, str]) -> dict:
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+    # CPU time of the process and its workers: how many cores the phase kept busy on average (the
+    # bound on what more workers can gain on this host), and the kernel's share of it
+    user, system = (re.search(rf"{k} time \(seconds\): ([\d.]+)", proc.stderr) for k in ("User", "System"))
     return {"wall_s": round(wall, 1), "peak_rss": int(rss.group(1)) * 1024 if rss else None,
+            "user_s": float(user.group(1)) if user else None, "system_s": float(system.group(1)) if system else None,
             "rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+def _cpu(run: dict) -> str:
+    if run.get("user_s") is None or run.get("system_s") is None:
+        return ""
+    busy = run["user_s"] + run["system_s"]
+    return (f"; CPU {run['user_s']:.1f} s user + {run['system_s']:.1f} s system = "
+            f"{busy / max(run['wall_s'], 1e-9):.2f} cores busy on average")
 
 
 def _dir_bytes(path: str) -> int:
@@ -231,7 +243,7 @@ def main(argv=None) -> int:
         if cap["rc"] != 0:
             print(cap["stderr"][-3000:])
             return 1
-        print(f"capture: {cap['wall_s']} s, peak RSS {_gib(cap['peak_rss'])}, dump {_gib(_dir_bytes(dump))}")
+        print(f"capture: {cap['wall_s']} s, peak RSS {_gib(cap['peak_rss'])}, dump {_gib(_dir_bytes(dump))}{_cpu(cap)}")
     rows = []
     counts = [1] + [int(w) for w in args.workers.split(",") if w.strip() and int(w) > 1]
     extra = (["--max-replay-bytes", args.max_replay_bytes] if args.max_replay_bytes else []) + \
@@ -250,7 +262,7 @@ def main(argv=None) -> int:
         c, cost = res.get("culprit") or {}, res["cost"]
         print(f"bisect, {n} worker(s): {res['verdict']}, culprit {c.get('kind')} {c.get('name')} in "
               f"{c.get('scope')} ({c.get('direction')}); wall {run['wall_s']} s, replay phase "
-              f"{cost.get('search_s')} s, peak RSS {_gib(run['peak_rss'])}"
+              f"{cost.get('search_s')} s, peak RSS {_gib(run['peak_rss'])}{_cpu(run)}"
               + (f" (workers' peak {_gib(cost.get('workers', {}).get('peak_rss'))}, "
                  f"{cost.get('workers', {}).get('module_units', 0)} module units on the workers)" if n > 1 else ""))
         print(f"  cost: {cost['steps']} steps ({cost['forward_equivalents']} forward-equivalents): "
