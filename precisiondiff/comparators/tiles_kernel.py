@@ -97,8 +97,9 @@ def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, par
     tiles = -(-n // tile)
     threads = max(1, min(torch.get_num_threads(), n // _MIN_PER_THREAD, tiles))
     # the threads take batches of tiles as they go (on a shared machine one core may run
-    # slower: equal shares would leave the other waiting), ~16 batches per thread
-    batch = tiles if threads == 1 else max(1, min(_MAX_BATCH, tiles // (16 * threads)))
+    # slower: equal shares would leave the other waiting), ~8 batches per thread or more
+    # (a call costs ~50 us: 2 ms per tile would not pay for them)
+    batch = tiles if threads == 1 else max(1, min(_MAX_BATCH, tiles // (8 * threads)))
     grab = itertools.count()  # next() of a count is atomic under the GIL
     sums = block_sums.numpy()
     # int32 counts while no count can reach 2**31: half the histogram's cache footprint (its
