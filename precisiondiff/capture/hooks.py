@@ -285,9 +285,19 @@ class _DirectHooks:
         self.handles.clear()
 
 
+def _call_tensors(args: tuple, kwargs: dict) -> List[torch.Tensor]:
+    """``flatten_tensors((args, kwargs))``; one positional tensor without a walk."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], _TensorBase):
+        return [args[0]]
+    return flatten_tensors((args, kwargs) if kwargs else args)
+
+
+_TensorBase = torch._C.TensorBase
 # slot names of a call's tensors, made once
 _INPUT_SLOTS = tuple(f"input.{i}" for i in range(32))
 _OUTPUT_SLOTS = tuple(f"output.{i}" for i in range(32))
+_GRAD_INPUT_SLOTS = tuple(f"grad_input.{i}" for i in range(32))
+_GRAD_OUTPUT_SLOTS = tuple(f"grad_output.{i}" for i in range(32))
 
 
 class ModuleHooks:
@@ -471,7 +481,7 @@ class ModuleHooks:
             return
         inputs = None
         if _is_grad_enabled():
-            inputs = flatten_tensors((args, kwargs) if kwargs else args)
+            inputs = _call_tensors(args, kwargs)
             self._boundaries.setdefault(id(module), []).append((_Boundary(inputs), len(inputs)))
         if recompute or not self._wants(scope):
             return
@@ -488,15 +498,21 @@ class ModuleHooks:
         rec = self.recorder
         event = rec.begin("module", scope, class_name(module), "forward")
         if inputs is None:
-            inputs = flatten_tensors((args, kwargs) if kwargs else args)
+            inputs = _call_tensors(args, kwargs)
         add, slots = rec.add, event.slots
-        with _NoGrad():
+        grad = _is_grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
+        try:
             for i, t in enumerate(inputs):
                 if id(t) not in slots:
                     add(event, _INPUT_SLOTS[i] if i < 32 else f"input.{i}", t)
             if rec.mode == "replay":
                 for name, p in list(module.named_parameters()) + list(module.named_buffers()):
                     add(event, f"param.{name}", p)
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         encoded = None
         if rec.mode == "replay":
             slot = lambda t: rec.slot_of(event, t)  # noqa: E731
@@ -536,9 +552,15 @@ class ModuleHooks:
             if outputs is None:
                 outputs = flatten_tensors(output)
             rec = self.recorder
-            with _NoGrad():
+            grad = _is_grad_enabled()
+            if grad:
+                _set_grad_enabled(False)
+            try:
                 for i, t in enumerate(outputs):
                     rec.add(event, _OUTPUT_SLOTS[i] if i < 32 else f"output.{i}", t)
+            finally:
+                if grad:
+                    _set_grad_enabled(True)
             rec.finish(event, args=encoded)
         except Exception as err:  # noqa: BLE001
             self.capture_failed(err)
@@ -556,50 +578,68 @@ class ModuleHooks:
                         boundary: "_Boundary", edges: list, n_inputs: int) -> None:
         call = {"scope": scope, "name": class_name(module), "outputs": {}, "inputs": {},
                 "remaining": 0, "step": self.recorder.step, "done": False}
-        partial, remaining = functools.partial, 0
+        remaining = 0
         for k, t in enumerate(outputs):
             if not t.requires_grad:
                 continue
             node = t.grad_fn
             if node is not None:
-                node.register_prehook(partial(self._grad_output, call, k, t.output_nr))
+                self._waiting(node, False).append((call, k, t.output_nr))
             else:
-                t.register_hook(partial(self._grad_output, call, k, None))
+                t.register_hook(functools.partial(self._grad_outputs, [(call, k, None)]))
             remaining += 1
         slot_of = boundary.slot_of
         for node, j, key in edges:
-            node.register_hook(partial(self._grad_input, call, slot_of[key], j))
+            self._waiting(node, True).append((call, slot_of[key], j))
             remaining += 1
         if remaining:
             call["remaining"] = remaining
             self._backward_calls.append(call)
 
-    def _grad_output(self, call: dict, k: int, output_nr: Optional[int], grads: Any) -> None:
-        grad = grads if output_nr is None else grads[output_nr]
-        if isinstance(grad, torch.Tensor):
-            call["outputs"][k] = grad
-        call["remaining"] -= 1
-        if call["remaining"] == 0:
-            self._emit_backward(call)
-
-    def _grad_input(self, call: dict, i: int, j: int, grad_inputs: Any, grad_outputs: Any) -> None:
-        grad = grad_inputs[j]
-        if isinstance(grad, torch.Tensor):
-            inputs = call["inputs"]
-            prev = inputs.get(i)
-            if prev is None:
-                inputs[i] = grad
+    def _waiting(self, node: Any, post: bool) -> list:
+        """The module calls waiting for a gradient at ``node``: those it passes on to their inputs
+        (``post``) or those it receives for their outputs. One hook per node serves them all, in
+        the order they asked (an inner module's output is often its caller's: fc2's and its
+        MLP's), instead of one registration and one call from the engine each."""
+        table = self._posthooked if post else self._prehooked
+        entry = table.get(id(node))  # the table holds the node: its id stays its own
+        if entry is None:
+            waiting: list = []
+            if post:
+                node.register_hook(functools.partial(self._grad_inputs, waiting))
             else:
-                # capture's own arithmetic: not an op of the model's backward
-                was_paused, self.paused = self.paused, True
-                try:
-                    with _NoGrad():
-                        inputs[i] = prev + grad
-                finally:
-                    self.paused = was_paused
-        call["remaining"] -= 1
-        if call["remaining"] == 0:
-            self._emit_backward(call)
+                node.register_prehook(functools.partial(self._grad_outputs, waiting))
+            entry = table[id(node)] = (node, waiting)
+        return entry[1]
+
+    def _grad_outputs(self, waiting: list, grads: Any) -> None:
+        for call, k, output_nr in waiting:
+            grad = grads if output_nr is None else grads[output_nr]
+            if isinstance(grad, torch.Tensor):
+                call["outputs"][k] = grad
+            call["remaining"] -= 1
+            if call["remaining"] == 0:
+                self._emit_backward(call)
+
+    def _grad_inputs(self, waiting: list, grad_inputs: Any, grad_outputs: Any) -> None:
+        for call, i, j in waiting:
+            grad = grad_inputs[j]
+            if isinstance(grad, torch.Tensor):
+                inputs = call["inputs"]
+                prev = inputs.get(i)
+                if prev is None:
+                    inputs[i] = grad
+                else:
+                    # capture's own arithmetic: not an op of the model's backward
+                    was_paused, self.paused = self.paused, True
+                    try:
+                        with _NoGrad():
+                            inputs[i] = prev + grad
+                    finally:
+                        self.paused = was_paused
+            call["remaining"] -= 1
+            if call["remaining"] == 0:
+                self._emit_backward(call)
 
     def _emit_backward(self, call: dict) -> None:
         """Record a module's backward call once its gradients have arrived (or at step end)."""
@@ -611,11 +651,17 @@ class ModuleHooks:
         try:
             rec = self.recorder
             event = rec.begin("module", call["scope"], call["name"], "backward")
-            with _NoGrad():
+            enabled = _is_grad_enabled()  # (off in a backward, unless it builds a graph)
+            if enabled:
+                _set_grad_enabled(False)
+            try:
                 for k, grad in sorted(call["outputs"].items()):
-                    rec.add(event, f"grad_output.{k}", grad)
+                    rec.add(event, _GRAD_OUTPUT_SLOTS[k] if k < 32 else f"grad_output.{k}", grad)
                 for i, grad in sorted(call["inputs"].items()):
-                    rec.add(event, f"grad_input.{i}", grad)
+                    rec.add(event, _GRAD_INPUT_SLOTS[i] if i < 32 else f"grad_input.{i}", grad)
+            finally:
+                if enabled:
+                    _set_grad_enabled(True)
             rec.finish(event)
         except Exception as err:  # noqa: BLE001
             self.capture_failed(err)

@@ -505,6 +505,16 @@ class Recorder:
         # copies of events still open (a module whose inputs were recorded) stay held
         self._data_bytes = sum(_nbytes(t) for t in self._data.values())
 
+    def release(self) -> None:
+        """Let go of the tensors kept for de-duplication (the session closed): they hold their
+        autograd graphs, whose hooks hold the session."""
+        self._last = None
+        self._seen.clear()
+        self._same_content.clear()
+        self._by_base.clear()
+        self._unindexed.clear()
+        self._kept_bytes = 0
+
     def end_step(self) -> None:
         """Flush and start the next step: call numbers restart, de-duplication forgets.
 

@@ -145,6 +145,9 @@ class CaptureSession(ModuleHooks):
         self._scopes_wanted: Dict[str, bool] = {}  # the scope filter's answers
         self._boundaries: Dict[int, List[tuple]] = {}
         self._shortcuts: Dict[int, tuple] = {}  # keyed by id(node); cleared every step
+        # id(node) -> (node, module calls waiting for its gradients): hooks.ModuleHooks._waiting
+        self._prehooked: Dict[int, tuple] = {}
+        self._posthooked: Dict[int, tuple] = {}
         self._backward_calls: List[dict] = []  # module backward calls waiting for gradients
         self._closed = False
         self._layout: Dict[str, Any] = {}  # the process groups as last seen at a step's end
@@ -267,9 +270,25 @@ class CaptureSession(ModuleHooks):
         except Exception as err:  # noqa: BLE001
             self.capture_failed(err)
         self._closed = True  # graph hooks still attached to live tensors fire into nothing
+        self._release_graph()
         if self._froze:
             self._froze = False
             gc.unfreeze()
+
+    def _release_graph(self) -> None:
+        """Drop what the session holds of the step's autograd graph and tensors. The graph's
+        hooks hold the session through references its cycle collector cannot see (C++ nodes): a
+        session holding the graph back was never freed, with its recorder and the tensors of its
+        de-duplication window."""
+        self._shortcuts.clear()
+        self._boundaries.clear()
+        self._prehooked.clear()
+        self._posthooked.clear()
+        self._backward_calls.clear()
+        self._fwd_inputs.clear()
+        self._stack.clear()
+        if self.recorder is not None:
+            self.recorder.release()
 
     def _start_compiled(self) -> None:
         """The compiled engine's hook bound to the op mode, when asked for and possible. A
@@ -400,6 +419,8 @@ class CaptureSession(ModuleHooks):
         self._stack.clear()
         self._shortcuts.clear()
         self._boundaries.clear()
+        self._prehooked.clear()
+        self._posthooked.clear()
         if self._mode is not None:
             self._mode.uninitialized.clear()
 
