@@ -34,7 +34,6 @@ SMALL_TENSOR_ELEMENTS = PERIOD  # batched tensors fit one fingerprint period
 _FUSED_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
 _EMPTY = {"min": None, "max": None, "mean": None, "abs_mean": None, "norm": 0.0, "nan": 0, "inf": 0,
           "fingerprint": fingerprint_hex([0, 0])}
-_HEX = "{:016x}{:016x}".format  # two unsigned 64-bit words, as fingerprint_hex writes them
 
 
 def _acc_dtype(device: torch.device, dtype: "torch.dtype | None" = None) -> torch.dtype:
@@ -288,19 +287,25 @@ class StatsBatch:
     def _resolve_fused(self) -> None:
         if not self._fused:
             return
-        rows = len(self._fused)
-        out = self._out[:rows].tolist()
-        # the words as unsigned 64-bit numbers: fingerprint_hex's digits without its masking
-        fps = self._fps[:rows, :2].view(np.uint64).tolist()
-        results, sqrt, nan_ = self._results, math.sqrt, math.nan
-        for handle, (row, numel) in self._fused.items():
-            lo, hi, total, absolute, squares, nan, inf = out[row]
-            if nan:
-                lo = hi = nan_
+        rows = len(self._fused)  # rows 0..rows-1, in the order of the handles
+        out = self._out[:rows]
+        numel = np.fromiter((n for _, n in self._fused.values()), dtype=np.float64, count=rows)
+        nan = out[:, 5]
+        # NumPy's division and square root are IEEE's, as Python's: the same floats, in one pass
+        lo = np.where(nan > 0, np.nan, out[:, 0]).tolist()
+        hi = np.where(nan > 0, np.nan, out[:, 1]).tolist()
+        mean = (out[:, 2] / numel).tolist()
+        abs_mean = (out[:, 3] / numel).tolist()
+        norm = np.sqrt(out[:, 4]).tolist()
+        nans = nan.astype(np.int64).tolist()
+        infs = out[:, 6].astype(np.int64).tolist()
+        # each row's two words as big-endian unsigned: fingerprint_hex's 32 digits, row after row
+        digits = self._fps[:rows, :2].astype(">u8").tobytes().hex()
+        results = self._results
+        for i, handle in enumerate(self._fused):
             results[handle] = {
-                "min": lo, "max": hi, "mean": total / numel, "abs_mean": absolute / numel,
-                "norm": sqrt(squares), "nan": int(nan), "inf": int(inf),
-                "fingerprint": _HEX(*fps[row])}
+                "min": lo[i], "max": hi[i], "mean": mean[i], "abs_mean": abs_mean[i], "norm": norm[i],
+                "nan": nans[i], "inf": infs[i], "fingerprint": digits[32 * i:32 * i + 32]}
         self._fused.clear()
 
     def _resolve_integers(self) -> None:
