@@ -56,7 +56,7 @@ def _rows(ab, x, mb, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5):  # pragma
     Returns the rows, the packed flags of the counts on them and the bit patterns of the
     maxima's values."""
     # actual -> float32 bits (bfloat16: the upper half) -> float64, exact
-    a = np.float64(np.int32(ab << (23 - mb)).view(np.float32))
+    a = np.float64(np.int32(ab << np.int32(23 - mb)).view(np.float32))
     eb = np.float64(x).view(np.int64)
     d = a - x
     ad = abs(d)
@@ -111,7 +111,7 @@ def _stage_full(a_src, e_src, s0, rev, A, E):  # pragma: no cover - compiled
     for t in range(64):
         o = rev[t] * _LANES
         for l in range(_LANES):
-            A[o + l] = np.int64(a_src[s0 + 1024 * l + t])
+            A[o + l] = np.int32(a_src[s0 + 1024 * l + t])
             E[o + l] = e_src[s0 + 1024 * l + t]
 
 
@@ -122,7 +122,7 @@ def _stage_part(a_src, e_src, g0, m, c, rev, A, E):  # pragma: no cover - compil
         k0 = 1024 * l + 64 * c
         valid = min(64, max(0, m - k0))
         for t in range(valid):
-            A[rev[t] * _LANES + l] = np.int64(a_src[g0 + k0 + t])
+            A[rev[t] * _LANES + l] = np.int32(a_src[g0 + k0 + t])
             E[rev[t] * _LANES + l] = e_src[g0 + k0 + t]
         for t in range(valid, 64):
             A[rev[t] * _LANES + l] = 0
@@ -159,7 +159,7 @@ def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3,
         m4 = max(m4, max(v3b, v3b2))
     dsum = m2 = 0
     for p in range(_CHUNK):
-        dist, bad, flags = _dist(A[p], E[p], mb, sh, mask, expm, r_sub, r_cap, max_finite)
+        dist, bad, flags = _dist(np.int64(A[p]), E[p], mb, sh, mask, expm, r_sub, r_cap, max_finite)
         DI[p] = dist
         packed += flags
         dsum += dist
@@ -291,7 +291,7 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     lvl1b = np.float64(lvl1).view(np.int64)
     lvl5b = np.float64(lvl5).view(np.int64)
     mfb = np.float64(max_finite).view(np.int64)
-    A = np.empty(_CHUNK, dtype=np.int64)
+    A = np.empty(_CHUNK, dtype=np.int32)  # sign-extended bits: 32-bit lanes for the rows' floats
     E = np.empty(_CHUNK, dtype=np.float64)
     R = np.empty(9 * _HALF, dtype=np.float64)
     C = np.empty((9, 16 * _LANES), dtype=np.float64)
