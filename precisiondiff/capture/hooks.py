@@ -120,8 +120,8 @@ def _tag_graph(outputs: List[torch.Tensor], scope: str, boundary: _Boundary, sho
             continue
         seen.add(key)
         jump = shortcuts.get(key)
-        if jump is not None:  # an inner module's output: continue from that module's inputs
-            inner_nodes, inner_edges = jump
+        if jump is not None and jump[0] is node:  # an inner module's output: continue from its inputs
+            _, inner_nodes, inner_edges = jump
             for n, j, k in inner_edges:
                 if k in slot_of and (id(n), j) not in have:
                     have.add((id(n), j))
@@ -157,8 +157,11 @@ def _tag_graph(outputs: List[torch.Tensor], scope: str, boundary: _Boundary, sho
     # (a key, id(grad_fn) or ("leaf", id(tensor)), names the same input in every call's boundary)
     # An output that is one of the inputs (an identity module: Dropout in eval mode) created no
     # node: a shortcut there would hide, from an outer module, the nodes that produced it.
+    # The entry holds the node: a node's Python wrapper lives only while referenced, and a new
+    # graph's wrapper may take a dead one's address (the step's earlier forwards), which would
+    # jump over the new call's nodes and leave them without a scope.
     for node in inner:
-        shortcuts[id(node)] = (boundary.nodes, edges)
+        shortcuts[id(node)] = (node, boundary.nodes, edges)
     return edges
 
 
@@ -538,6 +541,8 @@ class ModuleHooks:
                     self._watch_backward(module, scope, outputs, boundary, edges, n_inputs)
             except Exception as err:  # noqa: BLE001
                 self.capture_failed(err)
+        if not stack:  # the outermost call is done: no call left to take a shortcut
+            self._shortcuts.clear()
         if self._recomputing:
             self._recomputing -= 1
             return
