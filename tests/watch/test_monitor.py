@@ -55,6 +55,26 @@ def test_a_step_record_holds_layers_parameters_and_the_loss(tmp_path):
                         rel_tol=1e-5)
 
 
+def test_parameters_an_optimizer_gains_during_the_run_are_watched_from_its_next_step(tmp_path):
+    # progressive unfreezing: the optimizer starts with the head, the blocks join at step 2
+    model, _, tokens = train.build()
+    head = [p for n, p in model.named_parameters() if n.startswith("head")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("head")]
+    opt = torch.optim.AdamW(head, lr=1e-3)
+    with precisiondiff.watch(tmp_path, model=model, optimizer=opt, param_every=1) as w:
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": rest})
+            w.step(loss=train.train_step(model, opt, tokens))
+    steps = read_logs(tmp_path)[0].steps
+    embed = [p for p in steps[0]["params"] if p.startswith("embed")]
+    assert embed == []
+    for record in steps[2:]:
+        names = set(record["params"])
+        assert {"embed.weight", "head.weight"} <= names
+        assert {"weight", "update_ratio", "state.exp_avg"} <= set(record["params"]["embed.weight"])
+
+
 def test_every_n_steps(tmp_path):
     train.train(5, watch_dir=str(tmp_path), watch_options={"every": 2})
     assert [r["step"] for r in read_logs(tmp_path)[0].steps] == [0, 2, 4]
