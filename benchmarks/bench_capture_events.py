@@ -250,6 +250,12 @@ def breakdown(ops: int, repeats: int, tmp: str) -> None:
 
 
 def twelve_blocks(repeats: int, tmp: str) -> None:
+    """Module/stats capture on the 12-block example, a session entered and closed around every
+    step: the ratio to a plain step. Interleaved with it in the same loop, the floor: the same
+    step with an empty forward pre-hook and hook on every module (what PyTorch's hooked module
+    call costs), and a session entered and closed around nothing before a plain step."""
+    import functools
+
     from precisiondiff.runtime.targets import Target
     from precisiondiff.runtime.workload import load_workload, run_workload
     target = Target.parse("cpu/bf16")
@@ -266,10 +272,38 @@ def twelve_blocks(repeats: int, tmp: str) -> None:
                              overwrite=True):
             step()
 
+    def empty_hooks(rep):
+        def nothing(*args):
+            return None
+        handles = []
+        for m in model.modules():
+            handles.append(m.register_forward_pre_hook(functools.partial(nothing, rep), with_kwargs=True))
+            handles.append(m.register_forward_hook(functools.partial(nothing, rep), with_kwargs=True,
+                                                   always_call=True))
+        step()
+        for h in handles:
+            h.remove()
+
+    def session_only(rep):
+        with cap_mod.capture(os.path.join(tmp, f"empty{rep}"), model=model, level="module", mode="stats",
+                             overwrite=True):
+            pass
+        step()
+
     step()
-    p, c = _median_pair(step, captured, repeats)
+    times: dict = {"plain": [], "capture": [], "hooks": [], "session": []}
+    runs = {"plain": lambda rep: step(), "capture": captured, "hooks": empty_hooks, "session": session_only}
+    for rep in range(repeats + 1):
+        for name, run in runs.items():
+            t0 = CLOCK()
+            run(rep)
+            if rep:
+                times[name].append(CLOCK() - t0)
+    p, c, h, e = (STAT(times[k]) for k in ("plain", "capture", "hooks", "session"))
     print(f"12 blocks: plain step {p * 1e3:.2f} ms, module/stats capture {c * 1e3:.2f} ms, "
           f"ratio {c / p:.2f} (goal <= 1.5)")
+    print(f"  floor: empty module hooks {h / p:.3f}x, a session entered and closed around nothing "
+          f"+ a plain step {e / p:.3f}x")
 
 
 def main() -> None:

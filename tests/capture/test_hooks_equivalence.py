@@ -191,3 +191,21 @@ def test_hooks_are_gone_after_a_session():
     assert counts() == before
     assert all(not h for h in (getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()))
     assert len(params) == len(list(model.parameters()))
+
+
+def test_a_closed_session_is_freed_with_what_it_recorded():
+    """The graph's hooks hold their session (through C++ nodes the cycle collector cannot see):
+    a closed session must not hold the graph, or neither is ever freed."""
+    import gc
+    import weakref
+
+    model = _Net()
+    x, extra = torch.randn(4, 8), torch.randn(4, 8, requires_grad=True)
+    refs = []
+    for _ in range(2):
+        with capture(model=model, sink=MemorySink(), level="module") as cap:
+            model(x, extra).sum().backward()
+        refs.append(weakref.ref(cap))
+        del cap
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
