@@ -74,12 +74,24 @@ def _noisy(g: torch.Tensor, ulps: float, seed: int) -> torch.Tensor:
 @SETTINGS
 @given(seed=seeds)
 def test_rmse_ratio_is_judged_by_its_significance(seed):
-    big, small = _golden(4096, seed), _golden(MIN_ELEMENTS + 4, seed)
+    big = _golden(4096, seed)
     many = _stats(_noisy(big, 1.5, seed), big, {"float32": big.to(torch.bfloat16)})
     assert not many.passed and any("RMSE" in f for f in many.failures), many.figures
     assert many.figures["rmse_ratio"] > 2 and many.figures["rmse_z"] > 6
-    few = _stats(_noisy(small, 1.5, seed), small, {"float32": small.to(torch.bfloat16)})
-    assert not any("RMSE" in f for f in few.failures)
+
+
+def test_the_same_noise_on_a_few_elements_is_rarely_evidence():
+    """At 12 elements the RMSE's standard error is itself estimated from 12 squares: now and then
+    a sample of the noisy kernel above lands 6 standard errors out (seed 597: 1.04 ULP against
+    0.29, z 6.5). A statistical rule promises a rate, not every sample: 11 of the first 2000
+    seeds are flagged (0.55 %); the bound leaves room for that, not for a rule that flags as
+    readily as it does at 4096 elements."""
+    flagged = 0
+    for seed in range(1000):
+        small = _golden(MIN_ELEMENTS + 4, seed)
+        few = _stats(_noisy(small, 1.5, seed), small, {"float32": small.to(torch.bfloat16)})
+        flagged += any("RMSE" in f for f in few.failures)
+    assert flagged <= 20, flagged
 
 
 @SETTINGS
