@@ -60,6 +60,18 @@ def _freeze_heap() -> bool:
     return True
 
 
+def _raise_young_threshold() -> Optional[tuple]:
+    """Raise the collector's youngest threshold to :data:`compiled.YOUNG_THRESHOLD` while the
+    session records; returns the thresholds to put back (None: left alone). Each event's records
+    live until the read-back, so at the default (700) the collector scanned them young eight times
+    a step of 12 blocks (module level: 1.5-2.5 ms of a 66 ms captured step)."""
+    current = gc.get_threshold()
+    if not gc.isenabled() or not 0 < current[0] < compiled.YOUNG_THRESHOLD:
+        return None
+    gc.set_threshold(compiled.YOUNG_THRESHOLD, *current[1:])
+    return current
+
+
 def _compiled(model: nn.Module) -> Optional[str]:
     """The path of a ``torch.compile``d module inside ``model`` (``""`` for the root), or None."""
     for name, module in model.named_modules():
@@ -156,6 +168,7 @@ class CaptureSession(ModuleHooks):
         self._wanted_step = -1
         self._wanted = False
         self._froze = False  # gc.freeze() by this session (_freeze_heap)
+        self._gc_threshold: Optional[tuple] = None  # the collector's thresholds to put back
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -226,6 +239,7 @@ class CaptureSession(ModuleHooks):
             self._resume_outer_hook()
             raise
         self._froze = _freeze_heap()
+        self._gc_threshold = _raise_young_threshold()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -274,6 +288,9 @@ class CaptureSession(ModuleHooks):
         if self._froze:
             self._froze = False
             gc.unfreeze()
+        threshold, self._gc_threshold = self._gc_threshold, None
+        if threshold is not None and gc.get_threshold() == (compiled.YOUNG_THRESHOLD, *threshold[1:]):
+            gc.set_threshold(*threshold)  # unless the program changed it meanwhile
 
     def _release_graph(self) -> None:
         """Drop what the session holds of the step's autograd graph and tensors. The graph's

@@ -209,3 +209,19 @@ def test_a_closed_session_is_freed_with_what_it_recorded():
         del cap
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_the_collectors_threshold_is_put_back():
+    import gc
+
+    model = _Net()
+    before = gc.get_threshold()
+    with capture(model=model, sink=MemorySink(), level="module"):
+        assert gc.get_threshold()[0] > before[0]
+    assert gc.get_threshold() == before
+    try:
+        with capture(model=model, sink=MemorySink(), level="module"):
+            gc.set_threshold(123, *before[1:])  # the program's own choice stays
+        assert gc.get_threshold() == (123, *before[1:])
+    finally:
+        gc.set_threshold(*before)
