@@ -541,8 +541,10 @@ class ModuleHooks:
                     self._watch_backward(module, scope, outputs, boundary, edges, n_inputs)
             except Exception as err:  # noqa: BLE001
                 self.capture_failed(err)
-        if not stack:  # the outermost call is done: no call left to take a shortcut
+        if not stack:  # the outermost call is done: no call left to take a shortcut or share a hook
             self._shortcuts.clear()
+            self._prehooked.clear()  # (their nodes, and the graph behind them, are not held)
+            self._posthooked.clear()
         if self._recomputing:
             self._recomputing -= 1
             return
