@@ -523,12 +523,7 @@ class Recorder:
         if hasattr(self.sink, "flush"):
             self.sink.flush()
         self._stats.clear()
-        self._last = None
-        self._seen.clear()
-        self._same_content.clear()
-        self._by_base.clear()
-        self._unindexed.clear()
-        self._kept_bytes = 0
+        self.release()
         self._data.clear()
         self._data_bytes = 0
         self._calls.clear()
