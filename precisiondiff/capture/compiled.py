@@ -19,7 +19,6 @@ Statistics mode only; without a C++ compiler, or in another mode, capture uses t
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import logging
 import os
@@ -41,10 +40,6 @@ ENGINES = ("python", "compiled")
 _SOURCE = Path(__file__).with_name("csrc") / "op_hook.cpp"
 _SLOW, _PASS, _RECORD = 0, 1, 2  # the hook's codes (op_hook.cpp)
 BATCH = 256  # events the hook holds before it hands them over
-# The youngest generation's collection threshold while the hook records: every event is ~8 dicts
-# and lists that live until the sink takes them, so at the default (700 allocations) the collector
-# scans them young about once per 90 events for nothing (~0.7 us per event on the tiny-ops bench).
-YOUNG_THRESHOLD = 20000
 _EXT: Any = None
 _ERROR: Optional[str] = None
 _HELD: "Optional[CompiledOps]" = None  # the session holding the hook (its state is process-wide)
@@ -109,7 +104,6 @@ class CompiledOps:
         self._draining = False
         self._on = False
         self._hops_known = -1
-        self._gc_threshold: Optional[Tuple[int, ...]] = None  # the collector's, while raised here
         from . import stats_kernel
         entries = stats_kernel.c_entries() if mode.session.recorder._stats.fast else None
         order = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -175,19 +169,6 @@ class CompiledOps:
         if on and len(_HOPS) != self._hops_known:
             self._hops_fall_through()
         self.ext.enable(on)
-        self._young_threshold(on)
-
-    def _young_threshold(self, raise_it: bool) -> None:
-        """Raise the collector's youngest threshold to :data:`YOUNG_THRESHOLD` (never lower it),
-        or put back what it was, unless the program changed it meanwhile."""
-        current = gc.get_threshold()
-        if raise_it and self._gc_threshold is None and 0 < current[0] < YOUNG_THRESHOLD:
-            self._gc_threshold = current
-            gc.set_threshold(YOUNG_THRESHOLD, *current[1:])
-        elif not raise_it and self._gc_threshold is not None:
-            if current == (YOUNG_THRESHOLD, *self._gc_threshold[1:]):
-                gc.set_threshold(*self._gc_threshold)
-            self._gc_threshold = None
 
     def _hops_fall_through(self) -> None:
         """Make every higher-order operator skip the hook's key. A HOP dispatches in Python from
