@@ -161,15 +161,55 @@ def _products(bits, table):  # pragma: no cover - compiled
 
 
 @_jit
+def _period(values, bits, table, infinities, out, neutral_lo, neutral_hi, flushes):  # pragma: no cover - compiled
+    """One fingerprint period (at most PERIOD elements, the first at a multiple of PERIOD), in
+    blocks of _CHUNK: adds the sums to ``out``; returns its minimum and maximum keys and the
+    fingerprint's products ``a = sum b*S``, ``q = sum b*(b*S)``."""
+    lo, hi = neutral_lo, neutral_hi
+    a = np.int64(0)
+    q = np.int64(0)
+    n = bits.shape[0]
+    for start in range(0, n, _CHUNK):
+        stop = min(n, start + _CHUNK)
+        block_lo, block_hi = _extremes(bits[start:stop], neutral_lo, neutral_hi)
+        lo = min(lo, block_lo)
+        hi = max(hi, block_hi)
+        special = block_hi >= infinities[0] or block_lo <= infinities[1]
+        _sums(values[start:stop], out, special or flushes)
+        da, dq = _products(bits[start:stop], table[start:stop])
+        a += da
+        q += dq
+    return lo, hi, a, q
+
+
+@_jit
+def _flushes(cumulative):  # pragma: no cover - compiled
+    """Whether floats flush denormals here (DAZ, e.g. torch.set_flush_denormal(True)): 2**-149
+    reads as 0. The 1 comes from memory so that LLVM cannot fold the probe."""
+    return _bitcast(np.int32(cumulative[0] + 1)) * _TWO112 == 0
+
+
+@_jit
+def _finish(keys, lo, hi, values, h1, h2, o, fps, row):  # pragma: no cover - compiled
+    """Write the minimum and maximum (decoded from their keys, at the width of ``values``) and
+    the fingerprint."""
+    keys[0] = _key(lo)
+    keys[1] = _key(hi)
+    decoded = keys.view(values.dtype)
+    o[0] = _value(decoded[0])
+    o[1] = _value(decoded[1])
+    fps[row, 0] = h1
+    fps[row, 1] = h2
+
+
+@_jit
 def _stats(values, bits, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
     """Statistics and fingerprint of a flat tensor: ``values`` (float32/float64, or the int16
     bits of a bfloat16, the uint16 bits of a float16) and ``bits`` view the same memory;
     ``infinities``: the keys of +Inf and -Inf (beyond them: NaN); ``cumulative[r] = S[0] +
     ... + S[r-1]`` (mod 2**64)."""
     _wide()
-    # floats that flush denormals (DAZ, e.g. torch.set_flush_denormal(True)) read 2**-149 as 0;
-    # the 1 comes from memory so that LLVM cannot fold the probe
-    flushes = _bitcast(np.int32(cumulative[0] + 1)) * _TWO112 == 0
+    flushes = _flushes(cumulative)
     n = bits.shape[0]
     o = out[row]
     o[:] = 0.0
@@ -182,28 +222,108 @@ def _stats(values, bits, infinities, table, cumulative, out, fps, row):  # pragm
     h2 = np.int64(0)
     for first in range(0, n, PERIOD):
         last = min(n, first + PERIOD)
-        a = np.int64(0)
-        q = np.int64(0)
-        for start in range(first, last, _CHUNK):
-            stop = min(last, start + _CHUNK)
-            block_lo, block_hi = _extremes(bits[start:stop], neutral_lo, neutral_hi)
-            lo = min(lo, block_lo)
-            hi = max(hi, block_hi)
-            special = block_hi >= infinities[0] or block_lo <= infinities[1]
-            _sums(values[start:stop], o, special or flushes)
-            da, dq = _products(bits[start:stop], table[start - first:stop - first])
-            a += da
-            q += dq
+        block_lo, block_hi, a, q = _period(values[first:last], bits[first:last], table, infinities, o,
+                                           neutral_lo, neutral_hi, flushes)
+        lo = min(lo, block_lo)
+        hi = max(hi, block_hi)
         off = np.int64(first // PERIOD) * np.int64(_C1) + np.int64(1)
         h1 += a + off * cumulative[last - first]
         h2 += q + off * a
-    keys[0] = _key(lo)
-    keys[1] = _key(hi)
-    decoded = keys.view(values.dtype)
-    o[0] = _value(decoded[0])
-    o[1] = _value(decoded[1])
-    fps[row, 0] = h1
-    fps[row, 1] = h2
+    _finish(keys, lo, hi, values, h1, h2, o, fps, row)
+
+
+_TILE = 16  # rows gathered side by side: a transposed matrix's rows share their cache lines
+
+
+@_jit
+def _row_offset(r, sizes, strides):  # pragma: no cover - compiled
+    """The memory offset (in elements) of logical row ``r``: every dimension but the last."""
+    off = 0
+    for d in range(sizes.shape[0] - 2, -1, -1):
+        size = sizes[d]
+        off += (r % size) * strides[d]
+        r //= size
+    return off
+
+
+@_jit
+def _gather(src, sizes, strides, first, count, dst):  # pragma: no cover - compiled
+    """``dst[k]`` = the element of logical (row-major) index ``first + k`` of the strided tensor
+    over ``src``, for k < count. Rows whose elements are neighbours go whole; others ``_TILE``
+    rows at a time, column by column, through a small tile: the rows of a transposed matrix are
+    neighbours in memory, so each cache line read serves them all, and written straight, the
+    rows' streams would lie a row apart (for power-of-two widths, in the same L1 sets).
+    Indices are unsigned: numba then emits no negative-index wrap-around, which kept LLVM from
+    vectorising these loops (2 ns per element for a plain copy)."""
+    cols = sizes[sizes.shape[0] - 1]
+    step = np.uint64(strides[strides.shape[0] - 1])
+    width_all = np.uint64(cols)
+    offsets = np.empty(_TILE, dtype=np.uint64)
+    tile = np.empty(_TILE * _TILE, dtype=dst.dtype)
+    i = first
+    end = first + count
+    k = np.uint64(0)
+    while i < end:
+        r = i // cols
+        c0 = i - r * cols
+        if c0 != 0 or end - i < cols or step == 1:  # one row, or part of one
+            c1 = min(cols, c0 + (end - i))
+            base = np.uint64(_row_offset(r, sizes, strides))
+            for c in range(np.uint64(c0), np.uint64(c1)):
+                dst[k + c - np.uint64(c0)] = src[base + c * step]
+            k += np.uint64(c1 - c0)
+            i += c1 - c0
+            continue
+        rows = np.uint64(min(_TILE, (end - i) // cols))
+        for t in range(rows):
+            offsets[t] = _row_offset(r + t, sizes, strides)
+        for c0 in range(np.uint64(0), width_all, np.uint64(_TILE)):
+            width = min(width_all - c0, np.uint64(_TILE))
+            for c in range(width):
+                at = (c0 + c) * step
+                for t in range(rows):
+                    tile[t * np.uint64(_TILE) + c] = src[offsets[t] + at]
+            for t in range(rows):
+                row = k + t * width_all + c0
+                for c in range(width):
+                    dst[row + c] = tile[t * np.uint64(_TILE) + c]
+        k += rows * width_all
+        i += rows * cols
+
+
+@_jit
+def _stats_strided(memory, sizes, strides, values_of, infinities, table, cumulative, out, fps, row):  # pragma: no cover - compiled
+    """:func:`_stats` of a strided tensor over ``memory`` (its elements' bits), read in row-major
+    order a period at a time through a scratch buffer: the same results as :func:`_stats` of its
+    row-major copy, bit for bit, without the copy. ``values_of``: an empty array of the dtype
+    the values are read as (the bits' own dtype for bfloat16)."""
+    _wide()
+    flushes = _flushes(cumulative)
+    n = 1
+    for d in range(sizes.shape[0]):
+        n *= sizes[d]
+    o = out[row]
+    o[:] = 0.0
+    bits = np.empty(min(n, PERIOD), dtype=memory.dtype)
+    values = bits.view(values_of.dtype)
+    keys = np.empty(2, dtype=memory.dtype)
+    keys[0] = np.iinfo(memory.dtype).max
+    keys[1] = np.iinfo(memory.dtype).min
+    lo, hi = keys[0], keys[1]
+    neutral_lo, neutral_hi = lo, hi
+    h1 = np.int64(0)
+    h2 = np.int64(0)
+    for first in range(0, n, PERIOD):
+        count = min(n, first + PERIOD) - first
+        _gather(memory, sizes, strides, first, count, bits)
+        block_lo, block_hi, a, q = _period(values[:count], bits[:count], table, infinities, o,
+                                           neutral_lo, neutral_hi, flushes)
+        lo = min(lo, block_lo)
+        hi = max(hi, block_hi)
+        off = np.int64(first // PERIOD) * np.int64(_C1) + np.int64(1)
+        h1 += a + off * cumulative[count]
+        h2 += q + off * a
+    _finish(keys, lo, hi, values, h1, h2, o, fps, row)
 
 
 @intrinsic
@@ -282,3 +402,51 @@ def stats_f16_at(address, n, infinities, table, cumulative, out, fps):  # pragma
            numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
            numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
 
+
+
+# Strided tensors (a transposed weight, a permuted attention head), every argument an address as
+# in ``*_at``: ``sizes`` and ``strides`` point at ``ndim`` int64 each (strides in elements, none
+# negative), ``address`` at the element of logical index 0.
+
+
+@_jit
+def _memory(address, ndim, sizes, strides, dtype):  # pragma: no cover - compiled
+    """(memory, sizes, strides) as arrays: the memory spans the tensor's furthest element."""
+    shape = numba.carray(_pointer(sizes), ndim, np.int64)
+    steps = numba.carray(_pointer(strides), ndim, np.int64)
+    extent = 1
+    for d in range(ndim):
+        extent += (shape[d] - 1) * steps[d]
+    return numba.carray(_pointer(address), extent, dtype), shape, steps
+
+
+@_jit
+def strided_f32_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    memory, shape, steps = _memory(address, ndim, sizes, strides, np.int32)
+    _stats_strided(memory, shape, steps, np.empty(0, np.float32), numba.carray(_pointer(infinities), 2, np.int32),
+                   numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
+                   numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+
+
+@_jit
+def strided_f64_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    memory, shape, steps = _memory(address, ndim, sizes, strides, np.int64)
+    _stats_strided(memory, shape, steps, np.empty(0, np.float64), numba.carray(_pointer(infinities), 2, np.int64),
+                   numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
+                   numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+
+
+@_jit
+def strided_bf16_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    memory, shape, steps = _memory(address, ndim, sizes, strides, np.int16)
+    _stats_strided(memory, shape, steps, np.empty(0, np.int16), numba.carray(_pointer(infinities), 2, np.int16),
+                   numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
+                   numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+
+
+@_jit
+def strided_f16_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    memory, shape, steps = _memory(address, ndim, sizes, strides, np.int16)
+    _stats_strided(memory, shape, steps, np.empty(0, np.uint16), numba.carray(_pointer(infinities), 2, np.int16),
+                   numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
+                   numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
