@@ -22,6 +22,7 @@ fragments partition the parameter). Padding in the partition belongs to no param
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -46,16 +47,24 @@ def _named(w: Any) -> List[Tuple[str, torch.Tensor]]:
 def _fragments(w: Any, optimizer: Any) -> Optional[List[Fragment]]:
     """This rank's fragments of the partitions ``optimizer`` steps now (cached per partition set:
     ZeRO-3 steps its sub-groups one at a time); None for an optimizer of no ZeRO engine."""
-    plain: set = w.__dict__.setdefault("_zero_plain", set())
-    if id(optimizer) in plain:  # an optimizer of no ZeRO engine (the common case): one set lookup a step
-        return None
+    # optimizers of no ZeRO engine (the common case: one lookup a step), held weakly: by id(), an
+    # optimizer created later at a freed one's address would inherit its verdict
+    plain: "weakref.WeakSet[Any]" = w.__dict__.setdefault("_zero_plain", weakref.WeakSet())
+    try:
+        if optimizer in plain:
+            return None
+    except TypeError:  # an optimizer that takes no weak reference: looked at every step
+        pass
     cache: Dict[tuple, Optional[List[Fragment]]] = w.__dict__.setdefault("_zero_fragments", {})
     flats = tuple(id(p) for group in getattr(optimizer, "param_groups", []) or [] for p in group.get("params", []))
     key = (id(optimizer), flats)
     if key not in cache:
         found = zero_fragments(optimizer, _named(w))
         if found is None and not any(k[0] == id(optimizer) for k in cache):
-            plain.add(id(optimizer))
+            try:
+                plain.add(optimizer)
+            except TypeError:
+                pass
             return None
         cache[key] = found
         if found:

@@ -185,3 +185,28 @@ def test_full_steps_copy_the_weights_into_one_kept_buffer_released_at_close(tmp_
         w.step(loss=train.train_step(model, opt, tokens))
         assert memory._flat is buffer  # the same memory on every full step
     assert memory._flat is None and not w._snapshots
+
+
+def test_an_optimizer_replaced_during_the_run_is_let_go_and_its_successor_watched(tmp_path):
+    """Script watching (every optimizer of the process): a script that builds a new optimizer
+    mid-run (a restart, a new schedule). The watch holds the old one only weakly (by id(), an
+    optimizer created later at its address would inherit what was found about it: "no ZeRO
+    engine here"), and the new one's updates are logged from its first step."""
+    import gc
+    import weakref
+
+    from precisiondiff.watch.monitor import Watch
+
+    model, _, tokens = train.build()
+    with Watch(tmp_path, global_hooks=True, param_every=1) as w:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        train.train_step(model, opt, tokens)
+        gone = weakref.ref(opt)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        gc.collect()
+        assert gone() is None
+        train.train_step(model, opt, tokens)
+    steps = read_logs(tmp_path)[0].steps
+    assert len(steps) == 2
+    for record in steps:
+        assert {"weight", "update_ratio"} <= set(record["params"]["head.weight"])

@@ -74,3 +74,26 @@ def test_fragments_of_equal_norms_are_not_taken_for_replicas():
     assert logs[0].steps[0]["params"] == logs[1].steps[0]["params"]
     for combined in (combine_ranks(logs), global_log(logs)):
         assert math.isclose(combined.steps[0]["params"]["ln.weight"]["weight"], 2.0, rel_tol=1e-12)
+
+
+def test_an_optimizer_of_no_zero_engine_is_remembered_by_itself_not_by_its_address():
+    """The "no ZeRO partition here" verdict is kept per optimizer object, weakly: by id(), an
+    optimizer the run creates later at a freed one's address (a ZeRO engine built after a plain
+    warm-up optimizer) would inherit it, and its fragments would never be logged."""
+    import gc
+    import weakref
+
+    from precisiondiff.watch import zero
+
+    class FakeWatch:
+        _model = None
+        _root_refs: list = []
+
+    w = FakeWatch()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert zero._fragments(w, opt) is None
+    assert opt in w._zero_plain
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None and len(w._zero_plain) == 0
