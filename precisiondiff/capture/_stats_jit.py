@@ -421,32 +421,34 @@ def _memory(address, ndim, sizes, strides, dtype):  # pragma: no cover - compile
 
 
 @_jit
-def strided_f32_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
-    memory, shape, steps = _memory(address, ndim, sizes, strides, np.int32)
-    _stats_strided(memory, shape, steps, np.empty(0, np.float32), numba.carray(_pointer(infinities), 2, np.int32),
+def _strided_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps, bits_of, values_of):  # pragma: no cover - compiled
+    """The ``strided_*_at`` entry points' body: ``bits_of`` and ``values_of`` are empty arrays of
+    the element's bits' dtype and of the dtype its values are read as."""
+    memory, shape, steps = _memory(address, ndim, sizes, strides, bits_of.dtype)
+    _stats_strided(memory, shape, steps, values_of, numba.carray(_pointer(infinities), 2, bits_of.dtype),
                    numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
                    numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+
+
+@_jit
+def strided_f32_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
+    _strided_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps, np.empty(0, np.int32),
+                np.empty(0, np.float32))
 
 
 @_jit
 def strided_f64_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
-    memory, shape, steps = _memory(address, ndim, sizes, strides, np.int64)
-    _stats_strided(memory, shape, steps, np.empty(0, np.float64), numba.carray(_pointer(infinities), 2, np.int64),
-                   numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
-                   numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+    _strided_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps, np.empty(0, np.int64),
+                np.empty(0, np.float64))
 
 
 @_jit
 def strided_bf16_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
-    memory, shape, steps = _memory(address, ndim, sizes, strides, np.int16)
-    _stats_strided(memory, shape, steps, np.empty(0, np.int16), numba.carray(_pointer(infinities), 2, np.int16),
-                   numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
-                   numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+    _strided_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps, np.empty(0, np.int16),
+                np.empty(0, np.int16))
 
 
 @_jit
 def strided_f16_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps):  # pragma: no cover - compiled
-    memory, shape, steps = _memory(address, ndim, sizes, strides, np.int16)
-    _stats_strided(memory, shape, steps, np.empty(0, np.uint16), numba.carray(_pointer(infinities), 2, np.int16),
-                   numba.carray(_pointer(table), PERIOD, np.int64), numba.carray(_pointer(cumulative), PERIOD + 1, np.int64),
-                   numba.carray(_pointer(out), (1, 7), np.float64), numba.carray(_pointer(fps), (1, 2), np.int64), 0)
+    _strided_at(address, ndim, sizes, strides, infinities, table, cumulative, out, fps, np.empty(0, np.int16),
+                np.empty(0, np.uint16))
