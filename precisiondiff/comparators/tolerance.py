@@ -28,6 +28,18 @@ from .ulp import (
     ulp_spacing,
 )
 
+#: elements per block of :meth:`Budget.check` (its float64 temporaries: ~8 x 16 MiB per block)
+CHECK_BLOCK_ELEMENTS = 1 << 21
+
+
+def _first_larger(value: float, best: float) -> bool:
+    """Whether a later block's largest ratio replaces the worst so far, as ``argmax`` over the
+    whole tensor would choose: a larger value, or the first NaN (argmax takes NaN as largest)."""
+    if math.isnan(best):
+        return False
+    return math.isnan(value) or value > best
+
+
 __all__ = [
     "OP_CLASSES",
     "Budget",
@@ -167,9 +179,6 @@ class Budget:
                 f"{what}: give magnitude= and k= together (the bound is "
                 "accum_factor * k * u_acc * magnitude)")
         dt = dtype_of(self.dtype)
-        a = actual.to(torch.float64)
-        g = golden.to(device=actual.device, dtype=torch.float64)
-        sp = ulp_spacing(g, dt)
         if magnitude is not None:
             if magnitude.shape != actual.shape:
                 raise ComparatorError(
@@ -177,40 +186,35 @@ class Budget:
                     f"{tuple(actual.shape)}")
             if not (isinstance(k, int) and k >= 1):
                 raise ComparatorError(f"{what}: k must be a positive int, got {k!r}")
-            m = magnitude.to(device=actual.device, dtype=torch.float64).abs()
-            bound = self.rounding_ulps * sp + self.accum_factor * k * self.u_acc * m
-        else:
-            bound = self.max_ulp * sp
-        fin = torch.isfinite(a) & torch.isfinite(g)
-        n_nan = n_inf = 0
-        if actual.numel() and bool(fin.all()) and float(g.abs().max()) <= float_format(actual.dtype).max_finite:
-            # every element finite and the rounded golden too (no |g| beyond the format's largest
-            # value): no NaN or Inf mismatch, the masks below select everything (the same values)
-            ratio = (a - g).abs() / bound
-            n, n_over = actual.numel(), int((ratio > 1).sum())
-        else:
-            r = round_to_dtype(golden.to(actual.device), actual.dtype).to(torch.float64)
-            a_nan, r_nan = a.isnan(), r.isnan()
-            nan_mm = a_nan ^ r_nan
-            inf_mm = ~a_nan & ~r_nan & (a.isinf() | r.isinf()) & (a != r)
-            err = torch.where(fin, (a - g).abs(), 0.0)
-            ratio = torch.where(fin, err / bound, 0.0)
-            ratio = torch.where(nan_mm | inf_mm, math.inf, ratio)
-            over = (ratio > 1) | nan_mm | inf_mm
-            n, n_over = actual.numel(), int(over.sum())
-            n_nan, n_inf = int(nan_mm.sum()), int(inf_mm.sum())
         rule = self.describe(k=k, with_magnitude=magnitude is not None)
+        n = actual.numel()
         if n == 0:
             return Verdict(True, what, 0, 0, 0.0, None, math.nan, math.nan, math.nan,
                            math.nan, math.nan, math.nan, 0, 0, self,
                            f"{what}: empty tensor, nothing to judge ({rule}).")
-        flat = int(torch.argmax(ratio.reshape(-1)))
+        # In blocks of rows: the float64 temporaries (about eight per element) of a vocab-sized
+        # output would otherwise take ~6x its float64 size at once (3 GiB for 32000 x 2048). Each
+        # element's ratio depends on that element alone, so the counts and the worst element
+        # (the first largest ratio, as argmax picks it) are those of one pass.
+        rows = actual.shape[0] if actual.dim() else 1
+        step = max(1, CHECK_BLOCK_ELEMENTS // max(1, n // rows)) if actual.dim() else 1
+        n_over = n_nan = n_inf = 0
+        worst: Optional[Tuple[float, int, float, float, float]] = None  # ratio, flat index, a, g, bound
+        for start in range(0, rows, step):
+            block = [t if t is None or not actual.dim() else t[start:start + step] for t in (actual, golden, magnitude)]
+            ratio, a, g, bound, counts = self._ratios(*block, k, dt)
+            n_over, n_nan, n_inf = n_over + counts[0], n_nan + counts[1], n_inf + counts[2]
+            local = int(torch.argmax(ratio.reshape(-1)))
+            value = float(ratio.reshape(-1)[local])
+            if worst is None or _first_larger(value, worst[0]):
+                worst = (value, start * (n // rows) + local, float(a.reshape(-1)[local]),
+                         float(g.reshape(-1)[local]), float(bound.reshape(-1)[local]))
+            del ratio, a, g, bound
+        _, flat, wa, wg, w_bound = worst
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape))
-        wa, wg = float(a.reshape(-1)[flat]), float(g.reshape(-1)[flat])
         w_abs = abs(wa - wg) if not (math.isnan(wa) or math.isnan(wg)) else math.nan
         w_rel = w_abs / max(abs(wg), float_format(dt).smallest_normal)
-        w_ulp = float(ulp_error(actual.reshape(-1)[flat:flat + 1], golden.reshape(-1)[flat:flat + 1], dt))
-        w_bound = float(bound.reshape(-1)[flat])
+        w_ulp = float(ulp_error(actual[idx].reshape(1), golden[idx].reshape(1), dt))
         v = Verdict(
             passed=n_over == 0, what=what, numel=n, n_over=n_over, fraction_over=n_over / n,
             worst_index=idx, worst_actual=wa, worst_golden=wg, worst_abs_err=w_abs,
@@ -219,6 +223,36 @@ class Budget:
             message="")
         hint = _hint(self, magnitude is not None)
         return replace(v, message=format_mismatch(v, rule=rule, hint=hint))
+
+    def _ratios(self, actual: torch.Tensor, golden: torch.Tensor, magnitude: Optional[torch.Tensor],
+                k: Optional[int], dt: Any) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    Tuple[int, int, int]]:
+        """:meth:`check`'s element-wise part for one block: each element's error over its bound
+        (inf for a NaN or Inf mismatch), the block in float64, the bound, and the counts
+        ``(over, NaN mismatches, Inf mismatches)``."""
+        a = actual.to(torch.float64)
+        g = golden.to(device=actual.device, dtype=torch.float64)
+        sp = ulp_spacing(g, dt)
+        if magnitude is not None:
+            m = magnitude.to(device=actual.device, dtype=torch.float64).abs()
+            bound = self.rounding_ulps * sp + self.accum_factor * k * self.u_acc * m
+        else:
+            bound = self.max_ulp * sp
+        fin = torch.isfinite(a) & torch.isfinite(g)
+        if bool(fin.all()) and float(g.abs().max()) <= float_format(actual.dtype).max_finite:
+            # every element finite and the rounded golden too (no |g| beyond the format's largest
+            # value): no NaN or Inf mismatch, the masks below select everything (the same values)
+            ratio = (a - g).abs() / bound
+            return ratio, a, g, bound, (int((ratio > 1).sum()), 0, 0)
+        r = round_to_dtype(golden.to(actual.device), actual.dtype).to(torch.float64)
+        a_nan, r_nan = a.isnan(), r.isnan()
+        nan_mm = a_nan ^ r_nan
+        inf_mm = ~a_nan & ~r_nan & (a.isinf() | r.isinf()) & (a != r)
+        err = torch.where(fin, (a - g).abs(), 0.0)
+        ratio = torch.where(fin, err / bound, 0.0)
+        ratio = torch.where(nan_mm | inf_mm, math.inf, ratio)
+        over = (ratio > 1) | nan_mm | inf_mm
+        return ratio, a, g, bound, (int(over.sum()), int(nan_mm.sum()), int(inf_mm.sum()))
 
     def judge_metrics(self, metrics: TensorMetrics, *, what: str = "tensor") -> "Verdict":
         """Re-judge saved metrics: pass iff ``max_ulp_error <= max_ulp`` and no NaN/Inf mismatch.

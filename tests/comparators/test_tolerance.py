@@ -228,3 +228,37 @@ def test_budget_is_frozen_and_unsupported_dtype_raises():
         budget_for(torch.int8, "matmul")
     with pytest.raises(PrecisionDiffError):
         budget_for("floaty", "matmul")
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from(LOW), shape=st.lists(st.integers(1, 9), min_size=0, max_size=3),
+       seed=st.integers(0, 2**31), block=st.integers(1, 40), with_magnitude=st.booleans(),
+       specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([math.nan, math.inf, -math.inf, 1e300]),
+                                   st.sampled_from(["actual", "golden", "magnitude"])), max_size=4))
+def test_the_check_in_blocks_of_rows_is_the_check_in_one_pass(dtype, shape, seed, block, with_magnitude, specials):
+    """Budget.check judges a large output a block of rows at a time (its float64 temporaries
+    would otherwise be ~6x the output's float64 size): every field of the verdict, the worst
+    element and the message included, is the one-pass verdict's, whatever the blocks, with NaN,
+    infinities and goldens beyond the format's range in any block."""
+    from precisiondiff.comparators import tolerance
+
+    g = torch.Generator().manual_seed(seed)
+    golden = torch.randn(tuple(shape), generator=g, dtype=torch.float64) * 3
+    actual = (golden + torch.randn(tuple(shape), generator=g, dtype=torch.float64) * 0.02).to(dtype)
+    magnitude = golden.abs() * 4 if with_magnitude else None
+    tensors = {"actual": actual, "golden": golden, "magnitude": magnitude}
+    for at, value, where in specials:
+        t = tensors[where]
+        if t is not None and t.numel():
+            t.view(-1)[at % t.numel()] = value
+    budget = budget_for(dtype, "matmul")
+    kwargs = dict(magnitude=magnitude, k=64) if with_magnitude else {}
+    saved = tolerance.CHECK_BLOCK_ELEMENTS
+    try:
+        tolerance.CHECK_BLOCK_ELEMENTS = 1 << 40
+        whole = budget.check(actual, golden, **kwargs)
+        tolerance.CHECK_BLOCK_ELEMENTS = block
+        blocked = budget.check(actual, golden, **kwargs)
+    finally:
+        tolerance.CHECK_BLOCK_ELEMENTS = saved
+    assert repr(blocked) == repr(whole)
