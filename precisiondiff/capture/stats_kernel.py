@@ -128,7 +128,7 @@ def stats_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> N
 
 def _strided_into(t: torch.Tensor, out: np.ndarray, fps: np.ndarray, row: int) -> None:
     """:func:`stats_into` of a plain strided tensor, read in row-major order in place (a
-    transposed weight costs ~1.5 ns per element here, ~7.6 through a NumPy copy): the results
+    transposed weight costs ~2-3 ns per element here, ~7.6 through a NumPy copy): the results
     of its row-major copy, bit for bit."""
     entry = _LOADED_STRIDED.get(t.dtype)
     if entry is None:
