@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -76,15 +76,41 @@ def det_sum(x: torch.Tensor) -> float:
     worker's). Fixed 4096-element blocks, each summed whole by one thread (a reduction over rows is
     shared out by rows; one block is below torch's grain size), the block sums added with
     :func:`math.fsum` (exactly rounded)."""
-    x = x.detach().reshape(-1)
-    n = x.numel()
-    if n == 0:
-        return 0.0
-    full = n - n % _BLOCK
-    parts = x[:full].view(-1, _BLOCK).sum(dim=1).tolist() if full else []
-    if full < n:
-        parts.append(float(x[full:].sum()))
-    return math.fsum(parts)
+    acc = DetSum()
+    acc.add(x)
+    return acc.value()
+
+
+class DetSum:
+    """:func:`det_sum` of a tensor fed in pieces, in order: the same value as ``det_sum`` of their
+    concatenation (the 4096-element blocks straddling two pieces are carried over), so an output
+    judged a block of rows at a time has the figures of the whole."""
+
+    def __init__(self) -> None:
+        self._parts: List[float] = []
+        self._carry: Optional[torch.Tensor] = None
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Append the elements of ``x`` (flattened)."""
+        x = x.detach().reshape(-1)
+        self.count += x.numel()
+        if self._carry is not None:
+            x = torch.cat([self._carry, x])
+        n = x.numel()
+        full = n - n % _BLOCK
+        if full:
+            self._parts.extend(x[:full].view(-1, _BLOCK).sum(dim=1).tolist())
+        self._carry = x[full:].clone() if full < n else None
+
+    def value(self) -> float:
+        """The exactly rounded sum of the block sums."""
+        tail = [float(self._carry.sum())] if self._carry is not None else []
+        return math.fsum(self._parts + tail)
+
+    def mean(self) -> float:
+        """The sum / the number of elements (0 when none), :func:`det_mean`'s."""
+        return self.value() / self.count if self.count else 0.0
 
 
 def det_mean(x: torch.Tensor) -> float:
@@ -219,20 +245,54 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
     z_ps = {name: (pick(p) - g) / unit for name, p in peers.items()} or {"rounded": (pick(rounded) - g) / unit}
     s_ps = {name: _stats(z, inf_pick(z).clamp(-CLIP, CLIP), sign_i) for name, z in z_ps.items()}
     lenient = max(s_ps, key=lambda name: s_ps[name].rmse)
+    n_inf = int(informative.sum())
+
+    def paired_excess() -> Tuple[float, float]:
+        diff = z_d.clamp(-CLIP, CLIP) ** 2 - z_ps[lenient].clamp(-CLIP, CLIP) ** 2
+        return det_mean(diff), det_std(diff)
+
+    # tail beyond the peers' worst, in the max rule's unit: a sum may round partial results as
+    # large as its magnitude (a scatter-add), which the ULP of a cancelled element does not show.
+    # The floor (one correct rounding) and the slack are in the element's own ULP: in the max
+    # rule's unit, 1/2 of a long sum's allowance is many ULP, far beyond the peers' actual worst,
+    # and a sparse defect of a few ULP hid under it (the exchangeability bound is the peers' worst)
+    t_unit = unit if scale is None else pick(scale)
+    err = sh["adiff"] if every and "adiff" in sh else d_diff.abs()
+    worst = max(float(((pick(p) - g).abs() / t_unit).max()) for p in peers.values()) if peers else 0.0
+    floor_unit = unit if ulp_floor else t_unit
+    tail = int((err > tail_limit(worst, t_unit, floor_unit)).sum())
+    failures = decide(figures, n=n, n_inf=n_inf, s_d=s_d, s_ps=s_ps, lenient=lenient,
+                      sd_informative=det_std(zi_d) if n_inf > 1 else 0.0, paired_excess=paired_excess,
+                      tail=tail, worst=worst, distinct=lambda: _distinct(g), screen=screen)
+    return StatsVerdict(not failures, figures, failures, notes)
+
+
+def tail_limit(worst: float, t_unit: torch.Tensor, floor_unit: torch.Tensor) -> torch.Tensor:
+    """The error beyond which an element is in the tail: ``max(worst * s_i, sigma_i / 2) + TAIL_SLACK * sigma_i``."""
+    return torch.maximum(worst * t_unit, 0.5 * floor_unit) + TAIL_SLACK * floor_unit
+
+
+def decide(figures: Dict[str, Any], *, n: int, n_inf: int, s_d: ErrorStats, s_ps: Mapping[str, ErrorStats],
+           lenient: str, sd_informative: float, paired_excess: Callable[[], Tuple[float, float]], tail: int,
+           worst: float, distinct: Callable[[], int], screen: bool) -> List[str]:
+    """The three tests from the figures of a result (:func:`judge_statistics`'s, measured whole or a
+    block at a time); records them in ``figures`` and returns one phrase per failing test.
+    ``paired_excess`` gives the mean and standard deviation of the paired squared-error excess
+    over the most lenient peer, ``distinct`` the number of distinct golden values: both are asked
+    for only when a test is near failing."""
     failures: List[str] = []
     n_eff: Optional[int] = None
 
     def effective() -> int:
         nonlocal n_eff
         if n_eff is None:
-            n_eff = max(_distinct(g), 1)
+            n_eff = max(distinct(), 1)
             figures["n_eff"] = n_eff
         return n_eff
 
     # bias, both directions; the sd is floored at a uniform rounding's (a result with many exact
     # elements has a smaller one, which would overstate the evidence)
-    n_inf = int(informative.sum())
-    sd = max(det_std(zi_d) if n_inf > 1 else 0.0, ROUNDING_SD)
+    sd = max(sd_informative, ROUNDING_SD)
     figures.update(bias=s_d.bias, bias_dir=s_d.bias_dir,
                    peer_bias={k: [s.bias, s.bias_dir] for k, s in s_ps.items()} if not screen else {})
     for label, b, b_peer in (("raw", s_d.bias, max(abs(s.bias) for s in s_ps.values())),
@@ -254,30 +314,19 @@ def judge_statistics(dut: torch.Tensor, golden: torch.Tensor, rounded: torch.Ten
     ratio = s_d.rmse / p_rmse
     figures.update(rmse_ulp=s_d.rmse, peer_rmse_ulp=p_rmse, rmse_ratio=_safe(ratio))
     if ratio > RMSE_RATIO_MIN:
-        diff = z_d.clamp(-CLIP, CLIP) ** 2 - z_ps[lenient].clamp(-CLIP, CLIP) ** 2
-        se = max(det_std(diff), 1e-300) / math.sqrt(effective())
-        zscore = det_mean(diff) / se
+        mean, std = paired_excess()
+        se = max(std, 1e-300) / math.sqrt(effective())
+        zscore = mean / se
         figures["rmse_z"] = zscore
         if zscore > RMSE_Z:
             failures.append(f"RMSE {s_d.rmse:.3g} ULP is {ratio:.3g}x the emulated peers' or one rounding's ({p_rmse:.3g}), "
                             f"{zscore:.3g} standard errors over N_eff {effective()}")
-    # tail beyond the peers' worst, in the max rule's unit: a sum may round partial results as
-    # large as its magnitude (a scatter-add), which the ULP of a cancelled element does not show.
-    # The floor (one correct rounding) and the slack are in the element's own ULP: in the max
-    # rule's unit, 1/2 of a long sum's allowance is many ULP, far beyond the peers' actual worst,
-    # and a sparse defect of a few ULP hid under it (the exchangeability bound is the peers' worst)
-    t_unit = unit if scale is None else pick(scale)
-    err = sh["adiff"] if every and "adiff" in sh else d_diff.abs()
-    worst = max(float(((pick(p) - g).abs() / t_unit).max()) for p in peers.values()) if peers else 0.0
-    floor_unit = unit if ulp_floor else t_unit
-    per_element = torch.maximum(worst * t_unit, 0.5 * floor_unit) + TAIL_SLACK * floor_unit
-    tail = int((err > per_element).sum())
     threshold = max(worst, 0.5) + TAIL_SLACK  # as reported: at an element without allowance, in ULP
     figures.update(tail=tail, tail_threshold=threshold, tail_peer_worst=worst)
     if tail >= TAIL_COUNT and tail >= TAIL_SHARE * n:
         failures.append(f"{tail} of {n} elements ({100 * tail / n:.3g}%) are beyond the peers' worst "
                         f"({worst:.3g} of the max rule's unit, at least 1/2 ULP) + {TAIL_SLACK:g} ULP")
-    return StatsVerdict(not failures, figures, failures, notes)
+    return failures
 
 
 def _stats(z: torch.Tensor, zi: torch.Tensor, sign_i: torch.Tensor) -> ErrorStats:

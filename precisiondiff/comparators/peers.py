@@ -40,30 +40,26 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bounds import PEER_FACTOR, PEER_FACTOR_LOW
-from .error_stats import det_norm, judge_statistics
+from .error_stats import det_norm
+from .peer_measures import (ACCUM_FACTOR, SIGNIFICANCE, _finite_magnitude, _same, _with_magnitude,
+                            floor_allowance, measure_in_blocks, measure_whole, peer_dtype)
 from .ulp import float_format
 
 __all__ = ["PeerVerdict", "judge_against_peers", "significance_floor", "peer_factor", "peer_dtype", "compute_dtype",
            "float32_peer", "decomposition_peer", "element_scale", "reductions_in_dtype", "reference_semantics", "ACCUM_FACTOR", "SIGNIFICANCE", "MAX_FLOOR"]
 
-#: c of the accumulation term of the floor (Higham's gamma_K for K * u_acc <= 1/2, as the budgets).
-ACCUM_FACTOR = 2.0
-#: Elements smaller than this fraction of the tensor's RMS are judged by absolute error at that
-#: size in the max rule (msprobe's small-value rule, torch.testing's atol, scaled to the tensor).
-SIGNIFICANCE = 2.0 ** -6
 #: Slack of the max rule in its per-element unit (one ULP): a kernel may differ from a peer that
 #: happens to be correctly rounded by one rounding of its own.
 MAX_FLOOR = 1.0
+#: Outputs with more elements are judged a block of this many elements at a time
+#: (:mod:`~precisiondiff.comparators.peer_measures`: the same figures, bit for bit). Measured whole, the
+#: rule holds ~16 float64 temporaries of the output's size at once: 8 GiB for a 32000 x 2048 gradient.
+JUDGE_BLOCK_ELEMENTS = 1 << 20
 
 
 def peer_factor(dtype: torch.dtype) -> float:
     """Dynamo ``same()``'s RMSE ratio: 3 for 16-bit and 8-bit dtypes, 2 for float32/float64."""
     return PEER_FACTOR if dtype in (torch.float32, torch.float64) else PEER_FACTOR_LOW
-
-
-def peer_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the float32 peer computes in: float32, or ``dtype`` when that is wider."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def compute_dtype(out_dtype: torch.dtype, input_dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -94,18 +90,6 @@ def significance_floor(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: O
     if magnitude is not None and k:
         u_acc = float_format(peer_dtype(dtype)).unit_roundoff
         allow = allow + ACCUM_FACTOR * k * u_acc * magnitude.detach().to(device=g.device, dtype=torch.float64).abs()
-    allow = torch.where(torch.isfinite(allow), allow, torch.zeros_like(allow))
-    return det_norm(allow)
-
-
-def _significance_floor(g_abs: torch.Tensor, spacing: torch.Tensor, dtype: torch.dtype,
-                        m_abs: Optional[torch.Tensor], k: Optional[int]) -> float:
-    """:func:`significance_floor` of a finite golden from ``|g|``, ``ulp_spacing(g)`` and ``|magnitude|``
-    (the same operations)."""
-    allow = torch.maximum(float_format(dtype).unit_roundoff * g_abs, 0.5 * spacing)
-    if m_abs is not None and k:
-        u_acc = float_format(peer_dtype(dtype)).unit_roundoff
-        allow = allow + ACCUM_FACTOR * k * u_acc * m_abs
     allow = torch.where(torch.isfinite(allow), allow, torch.zeros_like(allow))
     return det_norm(allow)
 
@@ -159,10 +143,6 @@ class PeerVerdict:
                 "special_mismatch": self.special_mismatch, "stats": self.stats, "notes": list(self.notes)}
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a == b) | (torch.isnan(a) & torch.isnan(b))
-
-
 def element_scale(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Optional[torch.Tensor] = None,
                   k: Optional[int] = None, partials: bool = True) -> torch.Tensor:
     """Per-element unit of the max rule: ``spacing(max(|g_i|, SIGNIFICANCE * rms(g)))`` in
@@ -176,23 +156,6 @@ def element_scale(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: Option
     from .error_stats import element_ulp
     g = torch.where(torch.isfinite(golden), golden, torch.zeros_like(golden)).abs()
     return _with_magnitude(element_ulp(g, dtype, SIGNIFICANCE), dtype, magnitude, k, partials)
-
-
-def _with_magnitude(scale: torch.Tensor, dtype: torch.dtype, magnitude: Optional[torch.Tensor], k: Optional[int],
-                    partials: bool, m: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``scale`` (the element's ULP) plus :func:`element_scale`'s accumulation allowance; ``m`` the
-    magnitude as :func:`_finite_magnitude` gives it, when already computed."""
-    if magnitude is not None and k:
-        u_acc = float_format(peer_dtype(dtype)).unit_roundoff
-        if m is None:
-            m = _finite_magnitude(magnitude, scale.device)
-        scale = scale + (ACCUM_FACTOR * k * u_acc + (float_format(dtype).unit_roundoff if partials else 0.0)) * m
-    return scale
-
-
-def _finite_magnitude(magnitude: torch.Tensor, device: torch.device) -> torch.Tensor:
-    m = magnitude.detach().to(device=device, dtype=torch.float64).abs().flatten()
-    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
 def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[str, Optional[torch.Tensor]], *,
@@ -219,62 +182,23 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
     """
     dtype = dut.dtype if dtype is None else dtype
     factor = peer_factor(dtype) if factor is None else factor
-    g = golden.detach().to(torch.float64).flatten()
-    d = dut.detach().to(device=g.device, dtype=torch.float64).flatten()
-    if d.shape != g.shape:
+    if dut.numel() != golden.numel():
         raise ValueError(f"{what}: shapes differ: {tuple(dut.shape)} vs {tuple(golden.shape)}")
-    ps = {n: p.detach().to(device=g.device, dtype=torch.float64).flatten()
-          for n, p in peers.items() if p is not None and p.numel() == d.numel()}
-    rounded = g.to(dut.dtype).to(torch.float64)
-    # Each mask and per-element unit is computed once and shared by the size rules and the
-    # statistics (the same values as computing them where used: elementwise, exact); when every
-    # element is finite the masks select everything and are skipped.
-    finite_d, finite_g = torch.isfinite(d), torch.isfinite(g)
-    finite = finite_d & finite_g
-    all_finite = bool(finite.all())
-    finite_p = {n: torch.isfinite(p) for n, p in ps.items()}
-    if all_finite:
-        n_special = 0
-    else:
-        special = ~finite & ~_same(d, rounded)
-        for p in ps.values():
-            special &= ~_same(d, p)
-        n_special = int(special.sum())
-    zero = torch.zeros_like(g)
-    gf = g if all_finite else torch.where(finite, g, zero)
-    gnorm = det_norm(gf)
+    g = golden.detach().to(torch.float64).flatten()
     mag = magnitude.detach().flatten() if magnitude is not None else None
-    m_fin = _finite_magnitude(mag, g.device) if mag is not None and k else None
-    from .error_stats import element_ulp
-    from .ulp import ulp_spacing
-    g_abs = gf.abs()
-    unit = element_ulp(g_abs, dtype, SIGNIFICANCE)  # element_scale's ULP term (gf is finite)
-    scale = _with_magnitude(unit, dtype, mag, k, True, m_fin)
-    diff = d - g
-    adiff = diff.abs()
-    e_dut = det_norm(diff if all_finite else torch.where(finite, diff, zero))
-    m_dut = (float((adiff / scale).max() if all_finite else torch.where(finite, adiff / scale, zero).max())
-             if d.numel() else 0.0)
-    e_peers, m_peers = {}, {}
-    for n, p in ps.items():
-        ok = finite & finite_p[n]
-        pd = p - g
-        e_peers[n] = det_norm(torch.where(ok, pd, zero))
-        m_peers[n] = float(torch.where(ok, pd.abs() / scale, zero).max()) if d.numel() else 0.0
+    if g.numel() > JUDGE_BLOCK_ELEMENTS:
+        ms = measure_in_blocks(dut.detach().flatten(), g, {n: p.detach().flatten() for n, p in peers.items()
+                                                           if p is not None and p.numel() == g.numel()},
+                               mag, k, dtype, partial_sums, JUDGE_BLOCK_ELEMENTS)
+    else:
+        ms = measure_whole(dut, g, peers, mag, k, dtype, partial_sums)
+    n_special, gnorm, e_dut, m_dut, e_peers, m_peers, floor, stats = ms
     e_peer = max(e_peers.values(), default=0.0)
     m_peer = max(m_peers.values(), default=0.0)
-    floor = _significance_floor(g_abs, ulp_spacing(gf, dtype), dtype,
-                                mag.to(device=g.device, dtype=torch.float64).abs() if m_fin is not None else None, k)
     bound = factor * e_peer + floor
     m_bound = factor * m_peer + MAX_FLOOR
     l2_ok = e_dut <= bound
     max_ok = m_dut <= m_bound
-    tail_scale = scale if partial_sums else _with_magnitude(unit, dtype, mag, k, False, m_fin)
-    # judge_statistics' element ULP is that of the golden over the elements it uses: ``unit`` when
-    # it uses every element (all finite, none flushed; it checks)
-    stats = judge_statistics(d, g, rounded, ps, dtype, significance=SIGNIFICANCE, scale=tail_scale,
-                             ulp_floor=not partial_sums,
-                             _shared=dict(finite=finite, finite_p=finite_p, unit=unit, diff=diff, adiff=adiff))
     passed = n_special == 0 and l2_ok and max_ok and stats.passed
     rel = (lambda e: e / gnorm) if gnorm > 0 else (lambda e: 0.0 if e == 0 else math.inf)
     ratio = max(e_dut / bound if bound > 0 else (0.0 if e_dut == 0 else math.inf), m_dut / m_bound)
