@@ -39,8 +39,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["ErrorStats", "StatsVerdict", "element_ulp", "error_stats", "judge_statistics", "BIAS_Z", "BIAS_MIN",
-           "RMSE_Z", "RMSE_RATIO_MIN", "CLIP", "TAIL_SLACK", "TAIL_COUNT", "TAIL_SHARE", "MIN_ELEMENTS", "ROUNDING_SD"]
+__all__ = ["DetSum", "ErrorStats", "StatsVerdict", "decide", "element_ulp", "error_stats", "judge_statistics",
+           "tail_limit", "BIAS_Z", "BIAS_MIN", "RMSE_Z", "RMSE_RATIO_MIN", "CLIP", "TAIL_SLACK", "TAIL_COUNT",
+           "TAIL_SHARE", "MIN_ELEMENTS", "ROUNDING_SD"]
 
 #: Standard errors a bias must exceed (a one-sided Gaussian tail of 1e-9 per test).
 BIAS_Z = 6.0
