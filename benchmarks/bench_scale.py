@@ -2,7 +2,7 @@
 training step at sequence length 256, bf16 DUT against float64, with a planted bf16-accumulating
 GEMM in one late layer's MLP down projection (docs/performance.md, "Scale").
 
-    python benchmarks/bench_scale.py --size 10m|100m|1.1b [--workers 1,2] [--keep DIR] [--dump DUMP]
+    python benchmarks/bench_scale.py --size 10m|100m|1.1b|1.1b-22 [--workers 1,2] [--keep DIR] [--dump DUMP]
 
 Each phase runs in its own process, measured with ``/usr/bin/time -v`` (peak RSS):
 
@@ -12,7 +12,7 @@ Each phase runs in its own process, measured with ``/usr/bin/time -v`` (peak RSS
    time (``cost.search_s``) and the peak RSS of the bisect process and of its workers.
 
 The module is also the workload: ``benchmarks/bench_scale.py:build_10m`` (``build_100m``,
-``build_1_1b``); ``PD_SCALE_SEQ`` overrides the sequence length. ``--dump DIR`` bisects an existing capture.
+``build_1_1b``, ``build_1_1b_22``); ``PD_SCALE_SEQ`` overrides the sequence length. ``--dump DIR`` bisects an existing capture.
 
 Measured 2026-12-02 (2 shared cores, load 1-8; ``--seq 64 --direction forward``; docs/performance.md, "Scale"):
 
@@ -55,6 +55,9 @@ SIZES: Dict[str, dict] = {
                  intermediate_size=2048, vocab_size=16000),
     "1.1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
                  intermediate_size=5632, vocab_size=32000),
+    # the same blocks, 22 of them (TinyLlama's depth): 1.12 B parameters
+    "1.1b-22": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
+                    intermediate_size=5632, vocab_size=32000),
 }
 PLANT_LAYER_FROM_END = 2  # the plant sits in layers[L - 2]: a late layer
 CHUNK = 64  # the planted kernel rounds its running sum to bf16 every CHUNK products
@@ -141,7 +144,12 @@ def build_1_1b():
     return build("1.1b")
 
 
-BUILDERS = {"10m": "build_10m", "100m": "build_100m", "1.1b": "build_1_1b"}
+def build_1_1b_22():
+    """The "1.1b" configuration with 22 layers: 1.12 B parameters."""
+    return build("1.1b-22")
+
+
+BUILDERS = {"10m": "build_10m", "100m": "build_100m", "1.1b": "build_1_1b", "1.1b-22": "build_1_1b_22"}
 
 
 def params_of(size: str) -> int:
