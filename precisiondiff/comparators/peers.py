@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bounds import PEER_FACTOR, PEER_FACTOR_LOW
 from .error_stats import det_norm
-from .peer_measures import (ACCUM_FACTOR, SIGNIFICANCE, _finite_magnitude, _same, _with_magnitude,
-                            floor_allowance, measure_in_blocks, measure_whole, peer_dtype)
+from .peer_measures import (ACCUM_FACTOR, SIGNIFICANCE, _with_magnitude, floor_allowance, measure_in_blocks,
+                            measure_whole, peer_dtype)
 from .ulp import float_format
 
 __all__ = ["PeerVerdict", "judge_against_peers", "significance_floor", "peer_factor", "peer_dtype", "compute_dtype",
@@ -86,12 +86,8 @@ def significance_floor(golden: torch.Tensor, dtype: torch.dtype, *, magnitude: O
     g = golden.detach().to(torch.float64)
     g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
     # one correct rounding: u |g|, or half the (constant) spacing where g is subnormal or 0
-    allow = torch.maximum(float_format(dtype).unit_roundoff * g.abs(), 0.5 * ulp_spacing(g, dtype).to(torch.float64))
-    if magnitude is not None and k:
-        u_acc = float_format(peer_dtype(dtype)).unit_roundoff
-        allow = allow + ACCUM_FACTOR * k * u_acc * magnitude.detach().to(device=g.device, dtype=torch.float64).abs()
-    allow = torch.where(torch.isfinite(allow), allow, torch.zeros_like(allow))
-    return det_norm(allow)
+    m_abs = magnitude.detach().to(device=g.device, dtype=torch.float64).abs() if magnitude is not None else None
+    return det_norm(floor_allowance(g.abs(), ulp_spacing(g, dtype).to(torch.float64), dtype, m_abs, k))
 
 
 @dataclass(frozen=True)
