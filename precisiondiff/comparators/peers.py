@@ -182,7 +182,8 @@ def judge_against_peers(dut: torch.Tensor, golden: torch.Tensor, peers: Mapping[
         raise ValueError(f"{what}: shapes differ: {tuple(dut.shape)} vs {tuple(golden.shape)}")
     g = golden.detach().to(torch.float64).flatten()
     mag = magnitude.detach().flatten() if magnitude is not None else None
-    if g.numel() > JUDGE_BLOCK_ELEMENTS:
+    # a magnitude of another shape (broadcast) is measured whole: blocks slice it as the output
+    if g.numel() > JUDGE_BLOCK_ELEMENTS and (mag is None or mag.numel() == g.numel()):
         ms = measure_in_blocks(dut.detach().flatten(), g, {n: p.detach().flatten() for n, p in peers.items()
                                                            if p is not None and p.numel() == g.numel()},
                                mag, k, dtype, partial_sums, JUDGE_BLOCK_ELEMENTS)

@@ -196,6 +196,17 @@ def test_the_peer_rule_gives_the_same_figures_whatever_the_thread_count():
     assert seen[0] == seen[1] == seen[2]
 
 
+def test_a_bisect_judging_its_outputs_a_block_at_a_time_gives_the_result_of_one_pass(dump, one_worker,
+                                                                                     monkeypatch):
+    """With blocks of 100 elements every output of the planted model is judged a block at a time:
+    the bisect's result (verdicts, culprit, every figure) is the one-pass result."""
+    from precisiondiff.comparators import peers
+    monkeypatch.setattr(peers, "JUDGE_BLOCK_ELEMENTS", 100)
+    blocked = bisect_dump(dump, workload=PLANTED).to_json()
+    assert blocked["culprit"]["name"] == "pdblocks.acc_linear.default"
+    assert _figures(blocked) == _figures(one_worker)
+
+
 def test_the_compare_kernels_are_compiled_before_local_workers_start():
     """Two workers meeting a cold numba cache would fill it at once (numba#4807): the pool's
     parent compiles (or loads) both of the tile's specializations first."""
