@@ -30,6 +30,13 @@ The issue's case as written (2026-12-03, AMD AVX2, 2 cores, idle; ``--size 1.1b 
     capture 3864 s (one core shared) / 12.30 GiB / dump 14.16 GiB; bisect 1.11 steps, kernel in
     model.layers.14.mlp.down_proj; peak RSS 11.12 GiB (1 worker), 9.96 GiB (2 workers);
     replay phase 323.6 s -> 302.5 s = 0.93x with 2 workers
+
+With the peer rule measuring large outputs a block at a time (2026-12-04, same machine, quiet):
+
+    1.1b     capture 151.5 s / 10.33 GiB / 14.16 GiB; bisect 1.1 steps, kernel in layers.14; peak RSS
+             4.69 GiB (1 worker; 11.84 GiB before), 3.76 GiB (2 workers); replay phase 212.6 -> 195.9 s = 0.92x
+    1.1b-22  capture 122.3 s / 13.86 GiB / 18.81 GiB; bisect 1.11 steps, kernel in layers.20; peak RSS
+             5.46-5.54 GiB (1 worker), 4.77 GiB (2 workers); replay phase 238.8 -> 242.1 s = 1.01x
 """
 from __future__ import annotations
 
