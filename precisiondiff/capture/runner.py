@@ -28,18 +28,15 @@ def _check(cap, path: "str | os.PathLike") -> None:
     raise CaptureError(f"capture stopped: {reason} (the partial dump is in {path})")
 
 
-def _observe(workload, tgt: Target, plain_model, inputs, result, model, before) -> dict:
-    """Run the step again on the untouched copy, from the RNG state ``before`` the captured one,
-    and compare (the RNG continues afterwards as if only the captured step had run). A training
-    step is rerun with its own optimizer: the updated parameters are compared too."""
-    captured = snapshot(result.output, result.loss, model) + _params(workload, model)
-    after = rng_state(tgt.device)
+def _plain_step(workload, tgt: Target, plain_model, inputs, before) -> list:
+    """Step 0 without capture on the untouched copy, from the RNG state ``before`` the captured
+    step (which then starts from the same state): what it produced, to compare with the captured
+    step. A training step runs with its own optimizer: the updated parameters are compared too."""
     with restored_rng(before, tgt.device):
         plain = train_step(workload, tgt, plain_model, inputs, Trainer(workload, plain_model))
         reference = snapshot(plain.output, plain.loss, plain_model) + _params(workload, plain_model)
-        observed = compare_snapshots(reference, captured)
-    set_rng_state(after, tgt.device)  # the next step draws as if the rerun had not happened
-    return observed
+    set_rng_state(before, tgt.device)  # the captured step draws as if the plain one had not run
+    return reference
 
 
 def _params(workload, model) -> list:
@@ -108,8 +105,10 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
         if held_note:
             meta["target_asked"] = str(asked)
         with replacing(path, overwrite) as target_dir:
-            # observer effect: step 0 again without capture, from the same weights (a copy taken
-            # before any hook) and the same RNG state
+            # observer effect: step 0 without capture too, from the same weights (a copy taken
+            # before any hook) and the same RNG state. It runs first, so that the copy is freed
+            # before the captured step: only what it produced is held beside the captured step
+            # and capture's queue, not a second model (docs/capture.md, "Host memory")
             plain_model = copy_model(model)
             trainer = Trainer(workload, model)
             try:
@@ -117,12 +116,17 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
                              steps=steps, meta=meta, overwrite=overwrite, **filters) as cap:
                     for i in range(n_steps):
                         before = rng_state(tgt.device)
+                        if i == 0:
+                            with cap.suspended():
+                                reference = _plain_step(workload, tgt, plain_model, inputs, before)
+                            del plain_model
                         result = train_step(workload, tgt, model, inputs, trainer)
                         tgt.synchronize()
                         if i == 0:
                             with cap.suspended():
-                                observed = _observe(workload, tgt, plain_model, inputs, result, model, before)
-                            del plain_model
+                                observed = compare_snapshots(
+                                    reference, snapshot(result.output, result.loss, model) + _params(workload, model))
+                            del reference
                             cap.update_meta(observer_effect=observed)
                         cap.step()
                         trainer.zero_grad(model)
