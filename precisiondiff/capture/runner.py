@@ -12,6 +12,7 @@ from .filters import parse_selection
 from .replace import replacing
 from .observer import compare_snapshots, restored_rng, rng_state, set_rng_state, snapshot
 from ..runtime.copying import copy_model
+from ..runtime.host_allocator import return_large_blocks
 from ..runtime.script import run_as_main
 from ..runtime.targets import Target, checked_held, default_dut
 from ..runtime.training import Trainer, train_step
@@ -80,6 +81,7 @@ def capture_workload(spec: str, out: "str | os.PathLike", *, target: "str | Targ
     Raises:
         PrecisionDiffError: bad workload, target or output directory; disk full.
     """
+    return_large_blocks()  # the host copies a step makes and frees stay resident otherwise
     asked = Target.parse(target) if target is not None else default_dut()
     tgt, held_note = checked_held(asked, allow_narrowed=allow_narrowed)
     workload = load_workload(spec, seed=seed)
