@@ -37,6 +37,9 @@ With the peer rule measuring large outputs a block at a time (2026-12-04, same m
              4.69 GiB (1 worker; 11.84 GiB before), 3.76 GiB (2 workers); replay phase 212.6 -> 195.9 s = 0.92x
     1.1b-22  capture 122.3 s / 13.86 GiB / 18.81 GiB; bisect 1.11 steps, kernel in layers.20; peak RSS
              5.46-5.54 GiB (1 worker), 4.77 GiB (2 workers); replay phase 238.8 -> 242.1 s = 1.01x
+
+With capture's host copies returned when freed and the observer check's copy freed first: capture peak RSS
+1.1b 8.23 GiB (was 10.33), 1.1b-22 10.57 GiB (was 13.86-15.04).
 """
 from __future__ import annotations
 
