@@ -159,6 +159,7 @@ def capture_script(script: str, args: List[str], out: "str | os.PathLike", *, le
     if not os.path.isfile(script):
         raise WorkloadError(f"script not found: {script}")
     from ..runtime.workload import seed_everything
+    return_large_blocks()  # this process is ours: as for a workload capture
     seed_everything(seed)
     meta = {"target": "script", "seed": seed, "workload": f"--script {script}", "script_args": args,
             "argv": list(sys.argv)}  # precisiondiff's own command line, before the script's replaces it
