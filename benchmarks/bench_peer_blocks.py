@@ -54,11 +54,18 @@ def judge_once(rows: int, cols: int, n_peers: int, mode: str) -> dict:
                 verdict=verdict.as_dict(), message=verdict.message)
 
 
+def _peer_counts(text: str) -> list:
+    counts = text.split(",")
+    if not counts or any(c not in ("0", "2") for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 0, 2 or 0,2")
+    return [int(c) for c in counts]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32000)
     ap.add_argument("--cols", type=int, default=2048)
-    ap.add_argument("--peers", default="0,2", help="peer counts to run: 0 (the screen) and/or 2")
+    ap.add_argument("--peers", type=_peer_counts, default="0,2", help="peer counts to run: 0 (the screen) and/or 2")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--child", nargs=2, metavar=("PEERS", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print(f"judge_against_peers on {args.rows} x {args.cols} bf16 (float64 golden {args.rows * args.cols * 8 / 2**30:.2f} GiB)")
     failed = False
-    for n_peers in [int(p) for p in args.peers.split(",")]:
+    for n_peers in args.peers:
         for r in range(args.rounds):
             results = {}
             for mode in (("whole", "blocked") if r % 2 == 0 else ("blocked", "whole")):
