@@ -39,3 +39,87 @@ def test_statistics_on_the_device_match_the_cpu():
     assert a["fingerprint"] == b["fingerprint"]
     assert a["norm"] == pytest.approx(b["norm"], rel=1e-5)
     assert Target.parse("cuda:0/fp16").is_available()
+
+
+class _SideStreamNet(torch.nn.Module):
+    """Linear layers run on a side stream that lags far behind the host (a ~25 ms sleep kernel
+    first): a statistic or host copy queued on the wrong stream would read memory before the
+    layer's kernel wrote it, or after the allocator handed it on."""
+
+    def __init__(self, width: int = 1024, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            out = x * 2.0
+            del x
+            # memory freed on the side stream, taken again at once and overwritten there
+            scratch = [torch.full((1024, 1024), float("nan"), device="cuda") for _ in range(8)]
+            del scratch
+        main.wait_stream(side)
+        out.record_stream(main)
+        return out
+
+
+def _plain_layer_outputs(model, x):
+    """Each layer's output from a run without capture (cloned on the stream it ran on)."""
+    outs = {}
+    hooks = [layer.register_forward_hook(lambda m, i, o, name=f"layers.{k}": outs.__setitem__(name, o.clone()))
+             for k, layer in enumerate(model.layers)]
+    model(x)
+    torch.cuda.synchronize()
+    for h in hooks:
+        h.remove()
+    return {name: t.cpu() for name, t in outs.items()}
+
+
+@pytest.mark.parametrize("mode", ["tensors", "stats"])
+def test_capture_on_a_lagging_side_stream_records_what_the_kernels_wrote(tmp_path, mode):
+    import precisiondiff
+    from precisiondiff.capture.stats import StatsBatch
+    torch.manual_seed(0)
+    model = _SideStreamNet().cuda()
+    x = torch.randn(512, 1024, device="cuda")
+    expected = _plain_layer_outputs(model, x)
+    with precisiondiff.capture(tmp_path / "d", model=model, level="all", mode=mode):
+        model(x)
+    dump = precisiondiff.load(tmp_path / "d")
+    seen = set()
+    for ev in dump.events(kind="module", direction="forward"):
+        if ev.scope not in expected:
+            continue
+        rec = next(t for t in ev.tensors if t.slot == "output.0")
+        if mode == "tensors":
+            assert torch.equal(dump.tensor(rec.key), expected[ev.scope]), ev.scope
+        else:
+            batch = StatsBatch()
+            handle = batch.add(expected[ev.scope])
+            batch.resolve()
+            assert rec.stats["fingerprint"] == batch.get(handle)["fingerprint"], ev.scope
+            assert rec.stats["norm"] == pytest.approx(batch.get(handle)["norm"], rel=1e-5), ev.scope
+        seen.add(ev.scope)
+    assert seen == set(expected)
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_float32_bisect_names_a_matmul_only_when_tf32_is_on(example_spec, tf32):
+    """cuda/float32 against cpu/float64: TF32 rounds a matmul's inputs to 11 bits, far past what a
+    float32 kernel may err; with it off the stock float32 kernels are within their budgets."""
+    import precisiondiff
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        found = precisiondiff.bisect(example_spec, target="cuda/float32")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    if tf32:
+        assert found.verdict == "kernel", found.notes
+        assert any(k in found.culprit["name"] for k in ("mm", "linear", "matmul")), found.culprit
+    else:
+        assert found.verdict != "kernel", found.culprit
