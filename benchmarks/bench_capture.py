@@ -33,12 +33,16 @@ def main() -> None:
     parser.add_argument("--workload", default="examples/tiny_transformer.py:build")
     parser.add_argument("--target", default="cpu/bf16")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", metavar="LEVEL/MODE", default=None,
+                        help="only profile one captured step at LEVEL/MODE (e.g. op/stats) with cProfile")
     args = parser.parse_args()
     target = Target.parse(args.target)
     workload = load_workload(args.workload)
     model = target.prepare_model(workload.model).eval()
     inputs = target.prepare_inputs(workload.inputs)
     _step(workload, target, model, inputs)
+    if args.profile:
+        return _profile(args.profile, workload, target, model, inputs)
     print(f"workload {args.workload} on {target}; ratio = instrumented step / plain step (median of {args.repeats})")
     print(f"{'level':<7} {'mode':<8} {'plain ms':>9} {'captured ms':>12} {'ratio':>7} {'events':>7}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,6 +63,29 @@ def main() -> None:
                         captured.append(t2 - t1)
                 p, c = statistics.median(plain), statistics.median(captured)
                 print(f"{level:<7} {mode:<8} {p * 1e3:9.2f} {c * 1e3:12.2f} {c / p:7.1f} {events:7d}")
+
+
+def _profile(spec: str, workload, target, model, inputs) -> None:
+    """cProfile of the second of two captured steps (the first warms caches), session close included, by own
+    time and by cumulative time."""
+    import cProfile
+    import pstats
+    level, _, mode = spec.partition("/")
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(2):
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            if rep:
+                prof.enable()
+            with hooks.capture(os.path.join(tmp, str(rep)), model=model, level=level, mode=mode, steps="0") as cap:
+                _step(workload, target, model, inputs)
+            prof.disable()
+            wall = time.perf_counter() - t0
+    events = cap.recorder.events_written
+    print(f"{level}/{mode} on {target}: {wall * 1e3:.1f} ms captured (session close included), {events} events")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,12 @@ def test_same_weights_on_every_target(example_spec):
     dut = Target.parse("cpu/bf16").prepare_model(w.model)
     for (n, p64), (_, p16) in zip(ref.named_parameters(), dut.named_parameters()):
         assert torch.equal(p64.to(torch.bfloat16), p16), n
+
+
+def test_a_loss_holding_a_tensor_on_another_device_says_what_to_move():
+    """A target moves the model and its inputs, not the tensors a loss closes over (labels)."""
+    labels = torch.zeros(3, dtype=torch.long, device="meta")
+    wl = Workload(torch.nn.Linear(4, 2), torch.randn(3, 4),
+                  loss=lambda out: torch.nn.functional.cross_entropy(out, labels))
+    with pytest.raises(WorkloadError, match=r"the loss on cpu/fp32 raised .*move it to the output's device"):
+        run_workload(wl, Target.parse("cpu/float32"))

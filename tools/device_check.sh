@@ -8,8 +8,10 @@
 #             side stream, float32 bisect with TF32 on and off; the probe's TF32 card; targets);
 # 3. zoo:     false blames on the model zoo with a cuda/bf16 DUT (stock cuBLAS/cuDNN kernels);
 # 4. capture: capture overhead on the GPU (instrumented step / plain step, per level and mode);
-# 5. scale:   bisect's replay phase with 1, 2, 4 and 8 workers on this host's cores (853 M decoder).
+# 5. profile: where capture's time goes on the GPU (cProfile of one op/stats step);
+# 6. scale:   bisect's replay phase with 1, 2, 4 and 8 workers on this host's cores (853 M decoder).
 #
+# PARTS="tests zoo" runs only those parts (default: all, in this order).
 # Each part gets at most its share of SECONDS (default 540) and writes OUTDIR/PART.log as it runs; the
 # last lines of each are echoed. Runs with the machine's own python3 and packages (PYTHONPATH=.).
 set -u
@@ -25,6 +27,7 @@ left() { echo $((budget - ($(date +%s) - start))); }
 part() {  # part NAME SECONDS TAIL_LINES COMMAND...
   local name=$1 cap=$2 lines=$3 rest t0 rc
   shift 3
+  case " ${PARTS:-env tests zoo capture profile warm scale} " in *" $name "*) ;; *) return ;; esac
   rest=$(left)
   [ "$cap" -gt "$rest" ] && cap=$rest
   if [ "$cap" -lt 10 ]; then echo "== $name: not run (no time left)"; return; fi
@@ -39,11 +42,13 @@ part() {  # part NAME SECONDS TAIL_LINES COMMAND...
 part env 30 20 bash -c "nvidia-smi -L; nproc; free -g | head -2; $PY -c 'import sys, torch, numpy, numba; \
 print(sys.version.split()[0], torch.__version__, torch.version.cuda, numpy.__version__, numba.__version__, \
 torch.cuda.get_device_name(0), torch.get_num_threads())'"
-part tests 150 25 $PY -m pytest -q -p no:cacheprovider -rs -n 4 tests/test_gpu.py tests/probe/test_gpu_probe.py \
+part tests 150 25 $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rs -n 4 tests/test_gpu.py tests/probe/test_gpu_probe.py \
   tests/test_targets.py
 part zoo 90 14 $PY benchmarks/bench_false_blames.py --target cuda/bf16
 part capture 60 14 $PY benchmarks/bench_capture.py --workload examples/tiny_transformer.py:build_12_layers \
   --target cuda/bf16 --repeats 5
+part profile 60 45 $PY benchmarks/bench_capture.py --workload examples/tiny_transformer.py:build_12_layers \
+  --target cuda/bf16 --profile op/stats
 # numba's kernels compiled once before the timed bisects (a cold cache would be charged to the 1-worker run)
 part warm 60 3 $PY benchmarks/bench_scale.py --size 10m --seq 16 --direction forward --workers 2
 part scale 400 16 $PY benchmarks/bench_scale.py --size "${SCALE_SIZE:-1.1b}" --seq "${SCALE_SEQ:-128}" --workers 2,4,8

@@ -17,4 +17,4 @@ def build():
     m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), BasicBlock(8), BasicBlock(8),
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
     x = torch.randn(2, 3, 16, 16); y = torch.randint(0, 10, (2,))
-    return precisiondiff.Workload(m, x, loss=lambda o: nn.functional.cross_entropy(o.float() if o.dtype != torch.float64 else o, y))
+    return precisiondiff.Workload(m, x, loss=lambda o: nn.functional.cross_entropy(o.float() if o.dtype != torch.float64 else o, y.to(o.device)))

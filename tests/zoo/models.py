@@ -20,7 +20,10 @@ BATCH = 2
 
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in float32 or wider, whatever the logits' dtype (as training code does)."""
+    """Cross-entropy in float32 or wider, whatever the logits' dtype (as training code does); the labels
+    follow the logits to their device (a loss closure's tensors are the workload's own: a GPU or MLU
+    target moves the model and its inputs, not them)."""
+    labels = labels.to(logits.device)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
