@@ -10,7 +10,7 @@ does not need the reference run, ``--confirm`` runs it), forward-equivalents, st
 workload and wall time, then the count.
 
     PYTHONPATH=. python benchmarks/bench_false_blames.py [MODEL ...] [--target cpu/bf16] [--json] [--confirm]
-        [--blame-known]
+        [--blame-known] [--evidence FILE]
 """
 from __future__ import annotations
 
@@ -35,15 +35,19 @@ from tests.zoo import ZOO  # noqa: E402
 from precisiondiff.bisect.findings import KNOWN_FINDINGS  # noqa: E402
 
 
-def run(names, target: str, confirm: bool = False, blame_known: bool = False):
+def run(names, target: str, confirm: bool = False, blame_known: bool = False, evidence: str = None):
     rows = []
     for name in names:
         start = time.perf_counter()
         r = bisect(ZOO[name], target=target, confirm=confirm, blame_known=blame_known)
+        if evidence:  # the whole result, each offender's figures included: to check a blame by hand
+            with open(evidence, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"model": name, "target": target, "result": r.to_json()}, default=str) + "\n")
         c = r.culprit
         rows.append({"model": name, "verdict": r.verdict,
                      "finding": bool(c) and c["name"] in KNOWN_FINDINGS,
                      "culprit": f"{c['name']} in {c['scope'] or '<root>'} ({c['direction']})" if c else "-",
+                     "why": c.get("message") if c else None,
                      "known_passed_over": sorted({a["name"] for a in r.accepted if a.get("known")}),
                      "final_error": r.final_error, "parity_bound": r.parity_bound,
                      "forward_equivalents": r.cost["forward_equivalents"], "steps": r.cost.get("steps"),
@@ -58,10 +62,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--confirm", action="store_true",
                         help="confirm kernel verdicts (reference run: their final error; substitution)")
+    parser.add_argument("--evidence", metavar="FILE", default=None,
+                        help="append each model's whole bisect result to FILE (JSON lines)")
     parser.add_argument("--blame-known", action="store_true",
                         help="judge the documented stock findings as offenders (bisect --blame-known)")
     args = parser.parse_args()
-    rows = run(args.models, args.target, args.confirm, args.blame_known)
+    rows = run(args.models, args.target, args.confirm, args.blame_known, args.evidence)
     blames = sum(r["verdict"] == "kernel" and not r["finding"] for r in rows)
     findings = sum(r["verdict"] == "kernel" and r["finding"] for r in rows)
     if args.json:
@@ -76,6 +82,8 @@ def main() -> None:
               f"{r['forward_equivalents']:>7} {r['steps'] if r['steps'] is not None else '-':>6} {r['wall_s']:>7}  {r['culprit']}"
               + ("  [documented stock finding]" if r["finding"] else "")
               + (f"  [passed over: {', '.join(r['known_passed_over'])}]" if r["known_passed_over"] else ""))
+        if r["why"]:
+            print(f"{'':<9} {r['why']}")
     print(f"false blames (kernel verdicts not a documented stock finding): {blames} of {len(rows)}; "
           f"documented stock findings: {findings}")
 

@@ -35,6 +35,7 @@ if os.environ.get("CI"):
 # start-up): a verdict must not depend on the CPU. Two extra passes cost CI time: keep the set to
 # what exercises stock kernels (about 40 s a pass on a 2-core machine).
 STOCK_KERNEL_TESTS = (
+    "tests/bisect/test_attention_references.py",
     "tests/bisect/test_live.py",
     "tests/bisect/test_noise.py",
     "tests/bisect/test_offline.py",

@@ -107,7 +107,14 @@ def test_capture_on_a_lagging_side_stream_records_what_the_kernels_wrote(tmp_pat
     assert seen == set(expected)
 
 
-@pytest.mark.parametrize("tf32", [False, True])
+# Seen on an H200 (torch 2.11.0+cu130, 2026-12-04): with TF32 off the peer rule still blames a stock float32
+# kernel, aten._log_softmax_backward_data: 8 of 4096 elements beyond the CPU peers' worst + 0.5 ULP (1.59 ULP
+# against 0.91; CUDA documents its expf at 2 ULP). Open: docs/bisect.md, "On a GPU".
+_PEERS_ON_A_GPU = pytest.mark.xfail(strict=True, reason="the peer rule blames CUDA's float32 log_softmax "
+                                    "backward (docs/bisect.md, 'On a GPU')")
+
+
+@pytest.mark.parametrize("tf32", [pytest.param(False, marks=_PEERS_ON_A_GPU), True])
 def test_float32_bisect_names_a_matmul_only_when_tf32_is_on(example_spec, tf32):
     """cuda/float32 against cpu/float64: TF32 rounds a matmul's inputs to 11 bits, far past what a
     float32 kernel may err; with it off the stock float32 kernels are within their budgets."""

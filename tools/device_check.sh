@@ -44,7 +44,7 @@ print(sys.version.split()[0], torch.__version__, torch.version.cuda, numpy.__ver
 torch.cuda.get_device_name(0), torch.get_num_threads())'"
 part tests 150 25 $PY -m pytest -q -p no:cacheprovider -p no:benchmark -rs -n 4 tests/test_gpu.py tests/probe/test_gpu_probe.py \
   tests/test_targets.py
-part zoo 90 14 $PY benchmarks/bench_false_blames.py --target cuda/bf16
+part zoo 90 30 $PY benchmarks/bench_false_blames.py --target cuda/bf16 --evidence "$out/zoo.jsonl"
 part capture 60 14 $PY benchmarks/bench_capture.py --workload examples/tiny_transformer.py:build_12_layers \
   --target cuda/bf16 --repeats 5
 part profile 60 45 $PY benchmarks/bench_capture.py --workload examples/tiny_transformer.py:build_12_layers \

@@ -24,7 +24,7 @@ from ..comparators.accumulation import is_random_call
 from ..comparators.peers import reductions_in_dtype, reference_semantics
 from ..runtime.copying import copy_model
 from ..runtime.targets import complex_dtype
-from .references import reference_for
+from .references import math_semantics, reference_for
 
 __all__ = ["Unreplayable", "IncompleteTemplate", "is_meta_template", "UnitEvent", "resolve_op", "GoldenMode", "replay_op", "OpReplay",
            "replay_module_forward", "replay_module_backward", "replay_module_step", "FALLBACK_DTYPE"]
@@ -191,7 +191,7 @@ def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool
         Unreplayable: not recorded in replay mode, or the op fails on the golden target.
     """
     from ..comparators.accumulation import accumulation_lengths
-    from ..comparators.peers import decomposition_peer, float32_peer, peer_dtype
+    from ..comparators.peers import decomposition_peer, float32_peer, peer_dtype, semantics_peer
     if not ev.args or not ev.args.get("replayable", False):
         raise Unreplayable(f"{ev.name}: arguments not recorded (capture with --mode replay)")
     fn = reference_for(ev.name) or resolve_op(ev.name)
@@ -232,9 +232,13 @@ def replay_op(ev: UnitEvent, *, device: str, dtype: torch.dtype, magnitude: bool
         except Unreplayable:
             return {"float32": None, "decomposition": None}
         found = {"float32": float32_peer(fn, a_args, a_kwargs, out_dtypes)}
-        # a registered reference or a custom op has no torch._decomp entry: only the float32 peer
-        found["decomposition"] = (decomposition_peer(fn, d_args, d_kwargs, out_dtypes)
-                                  if reference_for(ev.name) is None else None)
+        # a registered reference or a custom op has no torch._decomp entry: only the float32 peer,
+        # unless the reference is the op's built-in math semantics (a fused attention)
+        if reference_for(ev.name) is None:
+            found["decomposition"] = decomposition_peer(fn, d_args, d_kwargs, out_dtypes)
+        else:
+            found["decomposition"] = (semantics_peer(fn, d_args, d_kwargs, out_dtypes)
+                                      if math_semantics(ev.name) else None)
         return found
 
     def on_device(peer_device: str) -> Optional[List[torch.Tensor]]:

@@ -12,8 +12,10 @@ the reference dtype on the reference device, and returns what the op returns.
 
 Built in (:data:`BUILTIN_REFERENCES`, a registration overrides them): the stock ops with no float64
 kernel, written with the same semantics in any dtype: ``aten._grouped_mm`` (an MoE's experts in
-transformers 5), ``aten._scaled_mm`` (fp8 GEMMs: the inputs times their scales, then a matmul) and
-``aten._int_mm`` (exact in int64).
+transformers 5), ``aten._scaled_mm`` (fp8 GEMMs: the inputs times their scales, then a matmul),
+``aten._int_mm`` (exact in int64), and the fused attention kernels of GPUs and MLUs with their backward
+ops (:mod:`.attention_references`). Those are written as the math attention, so the same function run
+in the DUT dtype is also their decomposition peer (:func:`math_semantics`).
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..errors import BisectError
+from .attention_references import ATTENTION_REFERENCES
 
 __all__ = ["register_reference", "unregister_reference", "reference_for", "normalize_op_name",
-           "BUILTIN_REFERENCES", "grouped_mm_reference", "scaled_mm_reference", "int_mm_reference"]
+           "BUILTIN_REFERENCES", "grouped_mm_reference", "scaled_mm_reference", "int_mm_reference",
+           "math_semantics"]
 
 _REFERENCES: Dict[str, Callable] = {}
 
@@ -136,4 +140,11 @@ BUILTIN_REFERENCES: Dict[str, Callable] = {
     "aten._grouped_mm.default": grouped_mm_reference,
     "aten._scaled_mm.default": scaled_mm_reference,
     "aten._int_mm.default": int_mm_reference,
+    **ATTENTION_REFERENCES,
 }
+
+
+def math_semantics(op_name: str) -> bool:
+    """Whether the op's reference is its built-in math semantics (not a user's registration): run in the
+    DUT dtype it is the op's decomposition peer, as a ``torch._decomp`` entry would be."""
+    return op_name in ATTENTION_REFERENCES and op_name not in _REFERENCES

@@ -46,7 +46,7 @@ from .peer_measures import (ACCUM_FACTOR, SIGNIFICANCE, _with_magnitude, floor_a
 from .ulp import float_format
 
 __all__ = ["PeerVerdict", "judge_against_peers", "significance_floor", "peer_factor", "peer_dtype", "compute_dtype",
-           "float32_peer", "decomposition_peer", "element_scale", "reductions_in_dtype", "reference_semantics", "ACCUM_FACTOR", "SIGNIFICANCE", "MAX_FLOOR"]
+           "float32_peer", "decomposition_peer", "semantics_peer", "element_scale", "reductions_in_dtype", "reference_semantics", "ACCUM_FACTOR", "SIGNIFICANCE", "MAX_FLOOR"]
 
 #: Slack of the max rule in its per-element unit (one ULP): a kernel may differ from a peer that
 #: happens to be correctly rounded by one rounding of its own.
@@ -322,6 +322,20 @@ def reductions_in_dtype() -> Iterator[None]:
         yield
     finally:
         flag(before)
+
+
+def semantics_peer(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                   out_dtypes: Sequence[Optional[torch.dtype]]) -> Optional[List[Optional[torch.Tensor]]]:
+    """``fn``, an op's reference semantics written with PyTorch ops (a fused attention's math attention),
+    run as it is in the DUT's dtypes (``args`` as the DUT had them): the op's decomposition peer when
+    ``torch._decomp`` has no entry for it. None when it fails."""
+    try:
+        with torch.no_grad(), reductions_in_dtype():
+            outs = _flat(fn(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - the semantics do not run for these inputs: no peer
+        return None
+    return [o.to(dt) if dt is not None and o.is_floating_point() else None
+            for o, dt in zip(outs, list(out_dtypes) + [None] * (len(outs) - len(out_dtypes)))]
 
 
 def decomposition_peer(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

@@ -239,8 +239,8 @@ def run_workload(workload: Workload, target: Target, *, model: Optional[torch.nn
         hint = ""
         if stage == "loss" and ("same device" in str(err) or "expected device" in str(err)):
             # the loss closes over tensors of its own (labels): a target moves the model and inputs only
-            hint = (f"; a tensor the loss holds stays where it was made: move it to the output's device "
-                    f"in the loss (labels.to(out.device))")
+            hint = ("; a tensor the loss holds stays where it was made: move it to the output's device "
+                    "in the loss (labels.to(out.device))")
         raise WorkloadError(f"{workload.name}: the {stage} on {target} raised {type(err).__name__}: "
                             f"{str(err).splitlines()[0] if str(err) else ''}{where}{hint}") from err
     return RunResult(model, inputs, output, loss)

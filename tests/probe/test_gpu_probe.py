@@ -19,7 +19,7 @@ def tf32_setting():
     torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def test_tf32_shows_as_11_input_bits_and_nothing_else_of_the_accumulator(tf32_setting):
+def test_tf32_shows_as_11_input_bits_and_the_same_accumulator_width(tf32_setting):
     torch.backends.cuda.matmul.allow_tf32 = False
     off = probe("cuda/fp32", ["gemm"])
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -27,6 +27,8 @@ def test_tf32_shows_as_11_input_bits_and_nothing_else_of_the_accumulator(tf32_se
     assert off.get("gemm", "input_bits") == 24
     assert on.get("gemm", "input_bits") == 11
     differ = {prop for op, prop, _, _, d in diff_rows(off, on) if d}
-    # crafted accumulator inputs are powers of two or two-bit numbers, exact in TF32
-    assert not differ & {"accumulator_bits", "long_sum_bits", "rounding", "subnormals"}
+    # crafted accumulator inputs are powers of two or two-bit numbers, exact in TF32: the accumulator's
+    # width is the same. Its order, rounding, extra bits and subnormal handling may change with the kernel
+    # (on an H200, 2026-12-04, all four did: TF32 runs on the tensor cores, fp32 does not)
+    assert not differ & {"accumulator_bits", "long_sum_bits"}
     assert "input_bits" in differ
