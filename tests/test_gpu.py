@@ -128,5 +128,6 @@ def test_float32_bisect_names_a_matmul_only_when_tf32_is_on(example_spec, tf32):
     if tf32:
         assert found.verdict == "kernel", found.notes
         assert any(k in found.culprit["name"] for k in ("mm", "linear", "matmul")), found.culprit
+        assert any("TF32 was on for cuda matmuls" in n for n in found.notes), found.notes
     else:
         assert found.verdict != "kernel", found.culprit

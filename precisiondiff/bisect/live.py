@@ -12,6 +12,7 @@ import torch
 
 from ..errors import BisectError, PrecisionDiffError, WorkloadError
 from ..capture import MemorySink, capture
+from ..runtime.float32_switches import float32_switches, tf32_notes
 from ..runtime.targets import Target, checked_held, default_dut, dtype_name
 from ..runtime.workload import RunResult, Workload, call_model, load_workload, run_workload
 from . import compiled
@@ -424,7 +425,7 @@ def bisect(workload: "str | Workload | Callable[[], Any]", *, target: "str | Tar
     accepts = accepts if blame_known else accepts + known_accepts_of(dut)
     ref_t, ref_note = checked_held(Target.parse(ref), allow_narrowed=allow_narrowed)
     peer_device, peer_name = peer_of(peer, dut)
-    rule_notes = rule_of(rule, peer_device) + self_peer_notes(dut, ref_t)
+    rule_notes = rule_of(rule, peer_device) + self_peer_notes(dut, ref_t) + tf32_notes(dut, float32_switches())
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     wl = load_workload(workload, seed=seed)

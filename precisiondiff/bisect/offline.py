@@ -240,6 +240,7 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
         >>> r = bisect_dump("runs/mlu", workload="examples/tiny_transformer.py:build_with_bug")  # doctest: +SKIP
     """
     from .cost import cost_figures, step_cost
+    from ..runtime.float32_switches import tf32_notes
     from .live import check_options, known_accepts_of, peer_of, rule_of, run_reference, self_peer_notes
     overrides = check_options(direction, budgets)
     accepts = resolve_accepts(accept)
@@ -255,7 +256,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if ref_t.autocast:
         raise BisectError(f"reference {ref_t}: a reference cannot use autocast; use e.g. cpu/float64")
     peer_device, peer_name = peer_of(peer, dut)
-    rule_notes = rule_of(rule, peer_device) + self_peer_notes(dut, ref_t)
+    rule_notes = (rule_of(rule, peer_device) + self_peer_notes(dut, ref_t)
+                  + tf32_notes(dut, meta.get("float32_switches")))  # the switches the capture ran with
     every = events_from_dump(dump, all_steps=prepare is None)  # training steps: each one judged
     if prepare is not None:
         every = prepare(every)

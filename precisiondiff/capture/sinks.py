@@ -19,6 +19,8 @@ def base_meta() -> dict:
     meta["torch_mlu"] = getattr(mlu, "__version__", None) if mlu else None
     from .. import __version__
     meta["precisiondiff"] = __version__
+    from ..runtime.float32_switches import float32_switches
+    meta["float32_switches"] = float32_switches()  # TF32: bisect says when a float32 DUT ran with it
     return meta
 
 
