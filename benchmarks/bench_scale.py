@@ -288,7 +288,9 @@ def main(argv=None) -> int:
               f"{c.get('scope')} ({c.get('direction')}); wall {run['wall_s']} s, replay phase "
               f"{cost.get('search_s')} s, peak RSS {_gib(run['peak_rss'])}{_cpu(run)}"
               + (f" (workers' peak {_gib(cost.get('workers', {}).get('peak_rss'))}, "
-                 f"{cost.get('workers', {}).get('module_units', 0)} module units on the workers)" if n > 1 else ""))
+                 f"{cost.get('workers', {}).get('module_units', 0)} module units on the workers; the search's "
+                 f"process waited {cost.get('workers', {}).get('waited_s')} s on them, the rest is its own work)"
+                 if n > 1 else ""))
         print(f"  cost: {cost['steps']} steps ({cost['forward_equivalents']} forward-equivalents): "
               + ", ".join(f"{k} {v}" for k, v in cost["breakdown"].items()))
         if cost.get("block_wise"):

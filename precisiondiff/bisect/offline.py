@@ -348,7 +348,8 @@ def bisect_dump(dut_dump: "str | Path", ref_dump: "str | Path | None" = None, *,
     if pool is not None:
         cost["workers"] = {"n": pool.workers, "kind": type(pool).__name__, "module_units": pool.modules_sent,
                            **({"peak_rss": pool.peak_rss()} if hasattr(pool, "peak_rss") else {}),
-                           **({"templates": dict(pool.templates)} if getattr(pool, "templates", None) else {})}
+                           **({"templates": dict(pool.templates)} if getattr(pool, "templates", None) else {}),
+                           **({"waited_s": round(pool.waited_s, 3)} if hasattr(pool, "waited_s") else {})}
     result = assemble(out, dut=dut, ref=ref_t, final=final, confirmation=confirmation, cost=cost,
                       notes=notes, input_check=evidence)
     if len({e.step for e in every}) > 1:

@@ -23,6 +23,7 @@ Multi-rank dumps are shared out by rank instead (:mod:`.ranks`).
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -197,6 +198,9 @@ class LocalPool:
         self.workers = workers
         self.modules_sent = 0  # module units judged on the workers (some ahead, then dropped)
         self.templates: Dict[str, int] = {}  # module units judged with meta / built templates
+        # seconds the search's process spent blocked on the workers: the rest of the replay phase is its
+        # own work (module units, the descent), which more workers do not shorten
+        self.waited_s = 0.0
         if modules_of is None:
             self.judge_modules = None  # type: ignore[assignment]  (the engine then judges them itself)
         self.window = WINDOW_PER_WORKER * workers
@@ -211,12 +215,14 @@ class LocalPool:
 
     def judge(self, events: List[UnitEvent]) -> Dict[int, OpResult]:
         """Judge ``events`` (op calls of one step) on the workers: ``{seq: OpResult}``."""
+        started = time.perf_counter()
         keys = [(e.step, e.seq) for e in events]
         chunks = [keys[i:i + CHUNK] for i in range(0, len(keys), CHUNK)]
         out: Dict[int, OpResult] = {}
         for part in self._pool.map(_judge_chunk, chunks, [self.rounding] * len(chunks)):
             for (_, seq), res in part:
                 out[seq] = res
+        self.waited_s += time.perf_counter() - started
         return out
 
     def judge_modules(self, tasks: Sequence[Tuple[UnitEvent, Tuple[int, ...]]],
@@ -227,7 +233,9 @@ class LocalPool:
         self.modules_sent += len(tasks)
         futures = [self._pool.submit(_judge_module, (ev.step, ev.seq), held, ctx.fallback, rounded)
                    for ev, held in tasks]
+        started = time.perf_counter()
         done = [f.result() for f in futures]
+        self.waited_s += time.perf_counter() - started
         for _, _, kind in done:
             self.templates[kind] = self.templates.get(kind, 0) + 1
         return _module_results(tasks, ctx, [res for _, res, _ in done])

@@ -58,6 +58,8 @@ def test_two_local_workers_give_the_result_of_one(dump, one_worker):
     assert two.cost["workers"]["module_units"] > 0  # the module phase went to the workers too
     ops_only = bisect_dump(dump, workload=PLANTED, workers=2)  # the default: local workers judge ops only
     assert ops_only.cost["workers"]["module_units"] == 0
+    # the search's process waits on the workers for part of the replay phase, never longer than the phase
+    assert 0 < ops_only.cost["workers"]["waited_s"] <= ops_only.cost["search_s"]
     assert json.dumps(_figures(ops_only.to_json()), sort_keys=True) == json.dumps(_figures(one_worker), sort_keys=True)
     assert json.dumps(_figures(two.to_json()), sort_keys=True) == json.dumps(_figures(one_worker), sort_keys=True)
 
