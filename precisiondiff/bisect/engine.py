@@ -230,7 +230,12 @@ def run_search(inp: EngineInput) -> EngineOutput:
         if ev.kind == "op":
             if inp.op_pool is not None:
                 if uid not in ahead:
-                    ahead.update(inp.op_pool.judge([by_seq[u] for u in search.upcoming_ops(inp.op_pool.window)]))
+                    window = inp.op_pool.window
+                    if getattr(inp.op_pool, "pipelined", False):  # the next window queued behind this one
+                        ahead.update(inp.op_pool.judge([by_seq[u] for u in search.upcoming_ops(2 * window)],
+                                                       wait_for=window))
+                    else:
+                        ahead.update(inp.op_pool.judge([by_seq[u] for u in search.upcoming_ops(window)]))
                 judgement, detail, spent, n_rounded = ahead.pop(uid)
                 for key, n in spent.items():
                     counter[key] = counter.get(key, 0) + n
@@ -250,6 +255,9 @@ def run_search(inp: EngineInput) -> EngineOutput:
                 if parents[uid] is not None:
                     holding.setdefault(parents[uid], []).append(uid)
         else:
+            if getattr(inp.op_pool, "pipelined", False) and (ahead or inp.op_pool.queued()):
+                ahead.clear()  # the op phase is over: what was judged or queued ahead is not needed
+                inp.op_pool.drop_queued()
             held = [by_seq[u] for u in holding.get(uid, [])]
             pooled = None
             if pool_modules and uid not in local_only:

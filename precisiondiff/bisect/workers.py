@@ -201,6 +201,9 @@ class LocalPool:
         # seconds the search's process spent blocked on the workers: the rest of the replay phase is its
         # own work (module units, the descent), which more workers do not shorten
         self.waited_s = 0.0
+        self.pipelined = True  # judge(events, wait_for) queues the events beyond wait_for ahead
+        self._queued: Dict[Tuple[int, int], Any] = {}  # (step, seq) -> the future of its chunk
+        self._ready: Dict[Tuple[int, int], OpResult] = {}  # judged with a chunk, not yet consumed
         if modules_of is None:
             self.judge_modules = None  # type: ignore[assignment]  (the engine then judges them itself)
         self.window = WINDOW_PER_WORKER * workers
@@ -213,17 +216,40 @@ class LocalPool:
                                                    _options(inp, module_classes),
                                                    threads_per_worker(workers), modules_of))
 
-    def judge(self, events: List[UnitEvent]) -> Dict[int, OpResult]:
-        """Judge ``events`` (op calls of one step) on the workers: ``{seq: OpResult}``."""
+    def judge(self, events: List[UnitEvent], wait_for: Optional[int] = None) -> Dict[int, OpResult]:
+        """Judge ``events`` (op calls of one step) on the workers: ``{seq: OpResult}`` for the first
+        ``wait_for`` of them (default: all). The rest stay queued on the workers, judged while the search
+        consumes these: no worker idles at the end of a window waiting for the slowest chunk of it
+        (:attr:`pipelined`). Events already queued are not sent twice."""
         started = time.perf_counter()
-        keys = [(e.step, e.seq) for e in events]
-        chunks = [keys[i:i + CHUNK] for i in range(0, len(keys), CHUNK)]
+        keys = [(e.step, e.seq) for e in events if (e.step, e.seq) not in self._queued]
+        for i in range(0, len(keys), CHUNK):
+            chunk = keys[i:i + CHUNK]
+            future = self._pool.submit(_judge_chunk, chunk, self.rounding)
+            for key in chunk:
+                self._queued[key] = future
         out: Dict[int, OpResult] = {}
-        for part in self._pool.map(_judge_chunk, chunks, [self.rounding] * len(chunks)):
-            for (_, seq), res in part:
-                out[seq] = res
+        for e in events[:wait_for]:
+            key = (e.step, e.seq)
+            if key not in self._ready:
+                for got, res in self._queued[key].result():
+                    self._ready[got] = res
+            self._queued.pop(key, None)
+            out[e.seq] = self._ready.pop(key)
         self.waited_s += time.perf_counter() - started
         return out
+
+    def queued(self) -> bool:
+        """Whether op units are queued or judged ahead and not consumed."""
+        return bool(self._queued or self._ready)
+
+    def drop_queued(self) -> None:
+        """Forget the op units queued ahead and not consumed (the op phase is over): those not started
+        are cancelled, so the module phase does not share the cores with them."""
+        for future in set(self._queued.values()):
+            future.cancel()
+        self._queued.clear()
+        self._ready.clear()
 
     def judge_modules(self, tasks: Sequence[Tuple[UnitEvent, Tuple[int, ...]]],
                       ctx: ModuleContext) -> Dict[int, ModuleResult]:
