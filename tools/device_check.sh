@@ -9,7 +9,7 @@
 # 3. zoo:     false blames on the model zoo with a cuda/bf16 DUT (stock cuBLAS/cuDNN kernels);
 # 4. capture: capture overhead on the GPU (instrumented step / plain step, per level and mode);
 # 5. profile: where capture's time goes on the GPU (cProfile of one op/stats step);
-# 6. scale:   bisect's replay phase with 1, 2, 4 and 8 workers on this host's cores (853 M decoder).
+# 6. scale:   bisect's replay phase with 1, 8 and 2 workers on this host's cores (853 M decoder).
 #
 # PARTS="tests zoo" runs only those parts (default: all, in this order).
 # Each part gets at most its share of SECONDS (default 540) and writes OUTDIR/PART.log as it runs; the
@@ -49,7 +49,9 @@ part capture 60 14 $PY benchmarks/bench_capture.py --workload examples/tiny_tran
   --target cuda/bf16 --repeats 5
 part profile 60 45 $PY benchmarks/bench_capture.py --workload examples/tiny_transformer.py:build_12_layers \
   --target cuda/bf16 --profile op/stats
-# numba's kernels compiled once before the timed bisects (a cold cache would be charged to the 1-worker run)
-part warm 60 3 $PY benchmarks/bench_scale.py --size 10m --seq 16 --direction forward --workers 2
-part scale 400 16 $PY benchmarks/bench_scale.py --size "${SCALE_SIZE:-1.1b}" --seq "${SCALE_SEQ:-128}" --workers 2,4,8
+# the compare tile's numba kernels compiled once before the timed bisects (a cold cache would be charged to the
+# 1-worker run; the capture's kernels are compiled by the capture, which is not compared)
+part warm 60 3 $PY -c "from precisiondiff.bisect.workers import warm_kernels; warm_kernels(); print('warm')"
+# 853 M at sequence 64 leaves time for three bisects (at 128, 2026-12-04: capture 84 s, 1 worker 129 s, 2 workers 105 s)
+part scale 400 16 $PY benchmarks/bench_scale.py --size "${SCALE_SIZE:-1.1b}" --seq "${SCALE_SEQ:-64}" --workers "${SCALE_WORKERS:-8,2}"
 echo "== done in $(($(date +%s) - start)) s"
