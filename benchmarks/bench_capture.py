@@ -36,6 +36,10 @@ def main() -> None:
     parser.add_argument("--profile", metavar="LEVEL/MODE", default=None,
                         help="only profile one captured step at LEVEL/MODE (e.g. op/stats) with cProfile")
     args = parser.parse_args()
+    if args.profile and (args.profile.count("/") != 1 or args.profile.split("/")[0] not in ("module", "op", "all")
+                         or args.profile.split("/")[1] not in ("stats", "tensors", "replay")):
+        parser.error(f"--profile {args.profile}: use LEVEL/MODE, LEVEL one of module, op, all and MODE one of "
+                     "stats, tensors, replay")
     target = Target.parse(args.target)
     workload = load_workload(args.workload)
     model = target.prepare_model(workload.model).eval()

@@ -41,6 +41,7 @@ def run(names, target: str, confirm: bool = False, blame_known: bool = False, ev
         start = time.perf_counter()
         r = bisect(ZOO[name], target=target, confirm=confirm, blame_known=blame_known)
         if evidence:  # the whole result, each offender's figures included: to check a blame by hand
+            os.makedirs(os.path.dirname(os.path.abspath(evidence)), exist_ok=True)
             with open(evidence, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps({"model": name, "target": target, "result": r.to_json()}, default=str) + "\n")
         c = r.culprit
