@@ -13,7 +13,7 @@ Semantics (PyTorch's ``scaled_dot_product_attention``): ``softmax(q k^T * scale 
 ``1/sqrt(E)`` by default; ``is_causal`` masks with the top-left aligned lower triangle; grouped-query
 attention (fewer key/value heads) repeats each key/value head over its group. The logsumexp output is
 float32 or wider, as the kernels keep it; the memory-efficient kernel pads it to a multiple of 32 rows
-with +inf. Random seeds and offsets are returned as zeros (integers: not judged). Dropout inside a
+with +inf (its ``kAlignLSE``; the padding saves the backward bound checks). Random seeds and offsets are returned as zeros (integers: not judged). Dropout inside a
 fused kernel draws from its own generator and cannot be replayed: such a call stays unreplayable.
 """
 from __future__ import annotations
