@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .attention_math import attention_backward
 from .bounds import PEER_FACTOR, PEER_FACTOR_LOW
 from .error_stats import det_norm
 from .peer_measures import (ACCUM_FACTOR, SIGNIFICANCE, _with_magnitude, floor_allowance, measure_in_blocks,
@@ -245,28 +246,8 @@ def float32_peer(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[st
 def _flash_attention_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
                                   *, attn_mask=None, scale=None):
     """The flash attention backward as the gradient of the math attention, every step in the
-    dtype of its inputs (``torch._decomp`` has no entry for it; autograd cannot run below the
-    dispatcher, so the gradient is written out)."""
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-    v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
-    s = (query @ k.transpose(-2, -1)) * scale
-    if is_causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
-        s = s.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-    p = torch.softmax(s, -1)
-    dv = p.transpose(-2, -1) @ grad_out
-    dp = grad_out @ v.transpose(-2, -1)
-    ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
-    dq = (ds @ k) * scale
-    dk = (ds.transpose(-2, -1) @ query) * scale
-    if groups > 1:
-        dk = dk.unflatten(1, (key.shape[1], groups)).sum(2)
-        dv = dv.unflatten(1, (key.shape[1], groups)).sum(2)
-    return dq, dk, dv
+    dtype of its inputs (``torch._decomp`` has no entry for it)."""
+    return attention_backward(grad_out, query, key, value, out, attn_mask, is_causal, scale)[:3]
 
 
 #: Reference semantics for backward ops that ``torch._decomp`` lacks: autograd of the forward's

@@ -19,6 +19,7 @@ from precisiondiff.bisect.attention_references import (efficient_attention_backw
                                                        efficient_attention_reference,
                                                        flash_attention_backward_reference, flash_attention_reference)
 from precisiondiff.bisect.references import math_semantics, reference_for
+from precisiondiff.comparators.peers import _flash_attention_cpu_backward
 
 EFFICIENT = "aten._scaled_dot_product_efficient_attention.default"
 
@@ -30,7 +31,7 @@ EFFICIENT = "aten._scaled_dot_product_efficient_attention.default"
 def test_the_references_are_the_math_attention_and_its_gradient(batch, kv_heads, groups, q_len, kv_len, dim,
                                                                  causal, bias, seed):
     if causal:
-        kv_len = q_len  # top-left causal with fewer keys than queries leaves rows with nothing to attend to
+        kv_len = max(kv_len, q_len)  # top-left causal with fewer keys than queries leaves rows with nothing to attend to
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * groups
     q = torch.randn(batch, heads, q_len, dim, generator=g, dtype=torch.float64, requires_grad=True)
@@ -60,6 +61,12 @@ def test_the_references_are_the_math_attention_and_its_gradient(batch, kv_heads,
                                                                 seed_t, offset_t, 0.0, [True] * 4, causal)
         torch.testing.assert_close(db, mask.grad, rtol=1e-10, atol=1e-12)
     for mine, theirs in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+    # the CPU flash kernel's backward peer shares the math (it aligned a causal mask bottom-right before: wrong
+    # whenever there were more keys than queries)
+    cpu = _flash_attention_cpu_backward(grad, *plain, out.detach(), lse, 0.0, causal,
+                                        attn_mask=None if mask is None else mask.detach())
+    for mine, theirs in zip(cpu, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
 
 
