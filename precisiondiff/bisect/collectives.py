@@ -33,8 +33,8 @@ import torch
 from ..comparators.peers import compute_dtype, judge_against_peers, peer_dtype
 from ..store.reader import iter_index
 
-__all__ = ["CollectiveUnit", "CollectiveVerdict", "collect_units", "judge_collective", "is_collective_op",
-           "JUDGED"]
+__all__ = ["CollectiveUnit", "CollectiveVerdict", "collect_units", "rank_collectives", "merge_units", "tensor_keys",
+           "judge_collective", "is_collective_op", "JUDGED"]
 
 # op name (without namespace and overload) -> kind of check
 _KINDS = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
@@ -121,31 +121,55 @@ def collect_units(rank_paths: Dict[int, Any], *, direction: Optional[str] = None
     ``rank_paths`` maps each rank to its dump directory. Units come in the execution order of
     their lowest rank.
     """
+    return merge_units({rank: rank_collectives(path, direction=direction)
+                        for rank, path in rank_paths.items()})
+
+
+def rank_collectives(path: Any, *, direction: Optional[str] = None) -> List[Dict[str, Any]]:
+    """The collective calls of one rank's first step, as plain records (what a process sends to
+    process 0 when the ranks' dumps lie on different hosts): :func:`merge_units` joins them."""
+    out: List[Dict[str, Any]] = []
+    first = None
+    for _, ev, _ in iter_index(path, strict=False):
+        if not ev or ev.get("kind") != "op":
+            continue
+        first = ev.get("step") if first is None else first
+        if ev.get("step") != first:
+            break
+        coll = ev.get("collective") or {}
+        if "ranks" not in coll or coll.get("failed"):
+            continue  # wait_tensor & co (no group), or a collective that failed on this rank
+        if direction is not None and ev.get("direction") != direction:
+            continue
+        out.append({"scope": ev["scope"], "name": ev["name"], "direction": ev["direction"],
+                    "call": int(ev.get("call") or 0), "group": str(coll.get("group")),
+                    "ranks": [int(r) for r in coll["ranks"]], "seq": int(ev["seq"]),
+                    "records": {t["slot"]: t for t in ev.get("tensors") or ()}, "args": ev.get("args")})
+    return out
+
+
+def merge_units(per_rank: Dict[int, List[Dict[str, Any]]]) -> List[CollectiveUnit]:
+    """The ranks' :func:`rank_collectives` as units, matched by (scope, name, direction, call,
+    group), in the execution order of their lowest rank."""
     units: Dict[Tuple[str, str, str, int, str], CollectiveUnit] = {}
-    for rank, path in sorted(rank_paths.items()):
-        first = None
-        for _, ev, _ in iter_index(path, strict=False):
-            if not ev or ev.get("kind") != "op":
-                continue
-            first = ev.get("step") if first is None else first
-            if ev.get("step") != first:
-                break
-            coll = ev.get("collective") or {}
-            if "ranks" not in coll or coll.get("failed"):
-                continue  # wait_tensor & co (no group), or a collective that failed on this rank
-            if direction is not None and ev.get("direction") != direction:
-                continue
-            key = (ev["scope"], ev["name"], ev["direction"], int(ev.get("call") or 0), str(coll.get("group")))
+    for rank, calls in sorted(per_rank.items()):
+        for c in calls:
+            key = (c["scope"], c["name"], c["direction"], c["call"], c["group"])
             unit = units.get(key)
             if unit is None:
-                unit = units[key] = CollectiveUnit(ev["scope"], ev["name"], ev["direction"],
-                                                   int(ev.get("call") or 0), _KINDS.get(_short(ev["name"])),
-                                                   str(coll.get("group")), [int(r) for r in coll["ranks"]])
-            unit.seq[rank] = int(ev["seq"])
-            unit.records[rank] = {t["slot"]: t for t in ev.get("tensors") or ()}
-            unit.args[rank] = ev.get("args")
+                unit = units[key] = CollectiveUnit(c["scope"], c["name"], c["direction"], c["call"],
+                                                   _KINDS.get(_short(c["name"])), c["group"], list(c["ranks"]))
+            unit.seq[rank] = c["seq"]
+            unit.records[rank] = c["records"]
+            unit.args[rank] = c["args"]
     order = {"forward": 0, "backward": 1}
     return sorted(units.values(), key=lambda u: (order.get(u.direction, 2), min(u.seq.values()), u.name))
+
+
+def tensor_keys(unit: CollectiveUnit, rank: int) -> List[str]:
+    """The keys of the tensors :func:`judge_collective` reads from ``rank``'s dump for ``unit``."""
+    records = unit.records.get(rank) or {}
+    return [records[s]["key"] for s in _slots(records, "input.") + _slots(records, "output.")]
 
 
 def _slots(records: Dict[str, Dict[str, Any]], prefix: str) -> List[str]:

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import BisectError, PrecisionDiffError
-from .collectives import CollectiveUnit, CollectiveVerdict, collect_units, judge_collective
+from .collectives import (CollectiveUnit, CollectiveVerdict, collect_units, judge_collective, merge_units,
+                          rank_collectives, tensor_keys)
 from .offline import bisect_dump
 from .result import BisectResult, _clean
 from .shards import first_step_events, placements_of, prepare_events
@@ -114,9 +115,11 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
         budgets: op budget overrides (see :func:`precisiondiff.bisect.bisect`).
         progress: called as ``progress(done, total, label)`` (per rank, labels prefixed).
         max_candidates: offending units reported after the culprit.
-        across_processes: run under ``torchrun``: process ``i`` of ``W`` bisects ranks ``i,
-            i+W, ...`` and process 0 gathers the verdicts (gloo, from torchrun's environment),
-            judges the collectives from the dumps it can read and returns the result.
+        across_processes: run under ``torchrun``: each process bisects the ranks whose dumps it
+            finds under ``run_dir`` on its own host (process ``i`` of ``W`` ranks ``i, i+W, ...`` when
+            every process sees every rank); process 0 gathers the verdicts and each collective
+            call's tensors from the processes holding them (gloo, from torchrun's environment),
+            judges the collectives and returns the result. No shared storage is needed.
         group: with ``across_processes``, the process group to share the ranks over (default:
             the default group, created from torchrun's environment when there is none).
         workers: without ``across_processes``, bisect this many ranks at a time, each in a
@@ -138,39 +141,49 @@ def bisect_ranks(run_dir: "str | Path", *, ref: str = "cpu/float64", workload: A
         >>> r = bisect_ranks("runs/tp")  # doctest: +SKIP
         >>> r.culprit["rank"], r.culprit["name"]  # doctest: +SKIP
     """
-    from ..store import load
     started = time.perf_counter()
+    options = {"ref": ref, "direction": direction, "budgets": budgets, "max_candidates": max_candidates,
+               "accept": list(accept) if accept is not None else None, "blame_known": blame_known}
+    if across_processes:
+        return _across_processes(run_dir, options, workload, group, progress, started)
     if not is_multi_rank(run_dir):
         raise BisectError(f"{run_dir} is not a multi-rank dump (a directory of rank0/, rank1/... dumps)")
     _import_workload_module(workload)
-    try:
-        dump = load(run_dir)
-    except PrecisionDiffError as err:
-        raise BisectError(f"{run_dir}: {err}") from err
+    dump = _load(run_dir)
     paths = {r: d.path for r, d in sorted(dump.ranks.items())}
-
-    options = {"ref": ref, "direction": direction, "budgets": budgets, "max_candidates": max_candidates,
-               "accept": list(accept) if accept is not None else None, "blame_known": blame_known}
-
-    def one(rank: int) -> Tuple[BisectResult, List[Dict[str, Any]]]:
-        def prog(done: int, total: int, label: str) -> None:
-            if progress is not None:
-                progress(done, total, f"rank {rank}: {label}")
-        return _bisect_rank(rank, paths[rank], options, prog)
-
-    if across_processes:
-        done = _across_processes(one, list(paths), group)
-    elif workers > 1:
+    if workers > 1:
         done = _on_local_workers(paths, options, workers, workload)
     else:
-        done = {r: one(r) for r in paths}
-    if done is None:
-        return None
-    per_rank = {r: done[r][0] for r in sorted(done)}
-    left_out = {r: done[r][1] for r in sorted(done)}
+        done = {r: _bisect_rank(r, paths[r], options, _labelled(progress, r)) for r in paths}
     units = collect_units(paths, direction=direction)
     verdicts = [(u, judge_collective(u, lambda r, key: dump.ranks[r].tensor(key))) for u in units]
-    result = _merge(per_rank, paths, verdicts, max_candidates, time.perf_counter() - started)
+    return _result({r: (*done[r], _seqs(paths[r])) for r in done}, verdicts, max_candidates, started)
+
+
+def _load(run_dir: "str | Path") -> Any:
+    from ..store import load
+    try:
+        return load(run_dir)
+    except PrecisionDiffError as err:
+        raise BisectError(f"{run_dir}: {err}") from err
+
+
+def _labelled(progress: Optional[Callable[[int, int, str], None]], rank: int
+              ) -> Optional[Callable[[int, int, str], None]]:
+    if progress is None:
+        return None
+    return lambda done, total, label: progress(done, total, f"rank {rank}: {label}")
+
+
+def _result(done: Dict[int, Tuple[BisectResult, List[Dict[str, Any]], Dict[Any, int]]],
+            verdicts: List[Tuple[CollectiveUnit, CollectiveVerdict]], max_candidates: int,
+            started: float) -> RanksBisectResult:
+    """The ranks' results ``(result, DTensor calls left out, first step's seqs)`` and the
+    collectives' verdicts as one result."""
+    per_rank = {r: done[r][0] for r in sorted(done)}
+    left_out = {r: done[r][1] for r in sorted(done)}
+    result = _merge(per_rank, {r: done[r][2] for r in done}, verdicts, max_candidates,
+                    time.perf_counter() - started)
     shards = sorted({(u["scope"], u["name"], u["reason"]) for units in left_out.values() for u in units})
     if shards:
         result.notes.append(f"{sum(map(len, left_out.values()))} DTensor op call(s) not judged: "
@@ -216,43 +229,121 @@ def _on_local_workers(paths: Dict[int, Path], options: Dict[str, Any], workers: 
         return {r: f.result() for r, f in futures.items()}
 
 
-def _across_processes(one: Callable[[int], Any], ranks: List[int], group: Any = None) -> Optional[Dict[int, Any]]:
-    """``one(rank)`` for ranks ``i, i+W...`` here (process ``i`` of ``W``), gathered on process 0
-    (what compare does under torchrun: precisiondiff/compare/parallel.py)."""
+def _across_processes(run_dir: "str | Path", options: Dict[str, Any], workload: Any, group: Any,
+                      progress: Optional[Callable[[int, int, str], None]], started: float
+                      ) -> Optional[RanksBisectResult]:
+    """:func:`bisect_ranks` over the processes of a torch.distributed job (torchrun), gloo from
+    torchrun's environment unless ``group`` is given or a group exists."""
     import torch.distributed as dist
     owned = group is None and not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo")
     try:
-        me, world = dist.get_rank(group), dist.get_world_size(group)
-        error, mine = None, {}
-        try:
-            mine = {r: one(r) for i, r in enumerate(ranks) if i % world == me}
-        except BisectError as err:  # every process reaches the gather, so none waits forever
-            error = str(err)
-        gathered: Optional[list] = [None] * world if me == 0 else None
-        dist.gather_object((error, mine), gathered, group=group, group_dst=0)
+        return _shared_out(run_dir, options, workload, group, progress, started)
     finally:
         if owned:
             dist.destroy_process_group()
-    if gathered is None:
-        if error is not None:
-            raise BisectError(error)
+
+
+def _owners(held: List[List[int]]) -> Dict[int, int]:
+    """rank -> the process that bisects it: of the processes holding its dump, process ``i % W``
+    for the ``i``-th rank when it holds it (every process holds every rank on shared storage),
+    else the first holder."""
+    holders: Dict[int, List[int]] = {}
+    for process, ranks in enumerate(held):
+        for r in ranks:
+            holders.setdefault(r, []).append(process)
+    return {r: (i % len(held) if i % len(held) in holders[r] else holders[r][0])
+            for i, r in enumerate(sorted(holders))}
+
+
+def _shared_out(run_dir: "str | Path", options: Dict[str, Any], workload: Any, group: Any,
+                progress: Optional[Callable[[int, int, str], None]], started: float
+                ) -> Optional[RanksBisectResult]:
+    """Each process bisects ranks whose dumps it holds (under ``run_dir`` on its own host: shared
+    storage is not required); process 0 gets every rank's result and, one collective call at a
+    time, the tensors each holder reads for it (docs/distributed.md, "What moves between hosts").
+    Every process reaches every gather, errors included, so none waits forever."""
+    import torch.distributed as dist
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    error, dump, local = None, None, {}
+    try:
+        _import_workload_module(workload)
+        if is_multi_rank(run_dir):  # a host may hold none of the ranks
+            dump = _load(run_dir)
+            local = {r: d.path for r, d in sorted(dump.ranks.items())}
+    except BisectError as err:
+        error = str(err)
+    held: List[Any] = [None] * world
+    dist.all_gather_object(held, (error, sorted(local)), group=group)
+    errors = [e for e, _ in held if e]
+    if not errors and not any(ranks for _, ranks in held):
+        errors = [f"{run_dir} is not a multi-rank dump (a directory of rank0/, rank1/... dumps) on any process"]
+    if errors:
+        return _stop(me, error, errors)
+    owner = _owners([ranks for _, ranks in held])
+    mine: Dict[int, Any] = {}
+    try:
+        for r in sorted(owner):
+            if owner[r] == me:
+                res, left = _bisect_rank(r, local[r], options, _labelled(progress, r))
+                mine[r] = (res, left, _seqs(local[r]), rank_collectives(local[r], direction=options["direction"]))
+    except BisectError as err:
+        error = str(err)
+    parts: List[Any] = [None] * world
+    dist.all_gather_object(parts, (error, mine), group=group)  # the collectives' records go to everyone
+    errors = [e for e, _ in parts if e]
+    if errors:
+        return _stop(me, error, errors)
+    done = {r: v for _, part in parts for r, v in part.items()}
+    units = merge_units({r: v[3] for r, v in done.items()})
+    verdicts = []
+    for unit in units:
+        tensors: Dict[Tuple[int, str], Any] = {}
+        failed = None
+        try:
+            for r in unit.ranks:
+                if owner.get(r) == me and r in unit.records:
+                    for key in tensor_keys(unit, r):
+                        tensors[(r, key)] = dump.ranks[r].tensor(key)
+        except PrecisionDiffError as err:
+            tensors, failed = {}, str(err)
+        got: Optional[List[Any]] = [None] * world if me == 0 else None
+        dist.gather_object((failed, tensors), got, group=group, group_dst=0)
+        if me == 0:
+            verdicts.append((unit, _judge_gathered(unit, got)))
+    if me != 0:
         return None
-    for err, _ in gathered:
-        if err is not None:
-            raise BisectError(err)
-    return {r: v for _, part in gathered for r, v in part.items()}
+    return _result({r: v[:3] for r, v in done.items()}, verdicts, options["max_candidates"], started)
 
 
-def _merge(per_rank: Dict[int, BisectResult], paths: Dict[int, Path],
+def _judge_gathered(unit: CollectiveUnit, got: List[Any]) -> CollectiveVerdict:
+    """Judge ``unit`` from the tensors its ranks' holders sent."""
+    failed = [f for f, _ in got if f]
+    if failed:
+        return CollectiveVerdict(False, reason=f"a rank's tensors could not be read: {failed[0]}")
+    tensors = {k: t for _, part in got for k, t in part.items()}
+    try:
+        return judge_collective(unit, lambda r, key: tensors[(r, key)])
+    except KeyError as err:  # raising here would leave the other processes waiting at the next gather
+        return CollectiveVerdict(False, reason=f"rank {err.args[0][0]}'s tensor {err.args[0][1]} did not arrive")
+
+
+def _stop(me: int, error: Optional[str], errors: List[str]) -> None:
+    """Process 0 raises the first error of any process; the others their own, or return None."""
+    if me == 0 or error is not None:
+        raise BisectError(error if me != 0 else errors[0])
+    return None
+
+
+def _merge(per_rank: Dict[int, BisectResult], seqs_of: Dict[int, Dict[Any, int]],
            verdicts: List[Tuple[CollectiveUnit, CollectiveVerdict]], max_candidates: int,
            wall_s: float) -> RanksBisectResult:
     """The ranks' verdicts and the collectives' as one result (module docstring, step 3)."""
     # (order key, unit json, (rank, whether it is that rank's own culprit) or None for a collective)
     offending: List[Tuple[Tuple[int, int, int], Dict[str, Any], Optional[Tuple[int, bool]]]] = []
     for rank, res in per_rank.items():
-        seqs = _seqs(paths[rank])
+        seqs = seqs_of[rank]
         for i, unit in enumerate(([res.culprit] if res.culprit else []) + list(res.candidates)):
             seq = seqs.get(_unit_key(unit), 1 << 60)
             offending.append(((_ORDER.get(unit["direction"], 2), seq, rank), dict(unit, rank=rank), (rank, i == 0)))

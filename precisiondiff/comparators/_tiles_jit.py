@@ -28,6 +28,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
 from .._numba_wide import wide as _wide
 
 BF16, F32 = 0, 1
@@ -104,15 +108,85 @@ def _dist(ab, x, mb, sh, mask, expm, r_sub, r_cap, max_finite):  # pragma: no co
     return dist, bad << 60, flags
 
 
-@_jit
-def _stage_full(a_src, e_src, s0, rev, A, E):  # pragma: no cover - compiled
-    """Chunk starting at ``s0`` (element ``t`` of lane ``l`` at ``s0 + 1024 l + t``) into its
-    permuted order."""
-    for t in range(64):
-        o = rev[t] * _LANES
-        for l in range(_LANES):
-            A[o + l] = np.int32(a_src[s0 + 1024 * l + t])
-            E[o + l] = e_src[s0 + 1024 * l + t]
+def _data(context, builder, ty, value):
+    """The data pointer of a numba array value."""
+    return context.make_array(ty)(context, builder, value).data
+
+
+def _vec_at(builder, ptr, index, width, align):
+    """A ``<width x T>`` pointer to ``ptr[index]``."""
+    return builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(ptr.type.pointee, width).as_pointer())
+
+
+def _mask(*lanes):
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), list(lanes))
+
+
+def _transpose4(builder, rows):
+    """The 4 columns of four 4-lane rows."""
+    r0, r1, r2, r3 = rows
+    lo01 = builder.shuffle_vector(r0, r1, _mask(0, 4, 1, 5))
+    hi01 = builder.shuffle_vector(r0, r1, _mask(2, 6, 3, 7))
+    lo23 = builder.shuffle_vector(r2, r3, _mask(0, 4, 1, 5))
+    hi23 = builder.shuffle_vector(r2, r3, _mask(2, 6, 3, 7))
+    return (builder.shuffle_vector(lo01, lo23, _mask(0, 1, 4, 5)),
+            builder.shuffle_vector(lo01, lo23, _mask(2, 3, 6, 7)),
+            builder.shuffle_vector(hi01, hi23, _mask(0, 1, 4, 5)),
+            builder.shuffle_vector(hi01, hi23, _mask(2, 3, 6, 7)))
+
+
+@intrinsic
+def _stage_vec(typingctx, a_src, e_src, s0, A, E):  # pragma: no cover - compiled
+    """:func:`_stage_full` with 4 x 4 transposes in vector registers (numba's loops cannot
+    express them: LLVM's SLP vectoriser is off). Same stores, same values."""
+    def codegen(context, builder, sig, args):
+        pa = _data(context, builder, sig.args[0], args[0])
+        pe = _data(context, builder, sig.args[1], args[1])
+        pA = _data(context, builder, sig.args[3], args[3])
+        pE = _data(context, builder, sig.args[4], args[4])
+        s = args[2]
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        v4i32 = ir.VectorType(i32, 4)
+        asz = sig.args[0].dtype.bitwidth // 8
+        for t0 in range(0, 64, 4):
+            er, ar = [], []
+            for l in range(_LANES):
+                k = builder.add(s, ir.Constant(i64, 1024 * l + t0))
+                er.append(builder.load(_vec_at(builder, pe, k, 4, 8), align=8))
+                av = builder.load(_vec_at(builder, pa, k, 4, asz), align=asz)
+                ar.append(builder.sext(av, v4i32) if asz < 4 else av)
+            for t, ec, ac in zip(range(t0, t0 + 4), _transpose4(builder, er), _transpose4(builder, ar)):
+                o = ir.Constant(i64, int(_REV6[t]) * _LANES)
+                builder.store(ec, _vec_at(builder, pE, o, 4, 8), align=8)
+                builder.store(ac, _vec_at(builder, pA, o, 4, 4), align=4)
+        return context.get_dummy_value()
+    return types.none(a_src, e_src, s0, A, E), codegen
+
+
+@intrinsic
+def _halve_vec(typingctx, R, C, col):  # pragma: no cover - compiled
+    """:func:`_halve` and the copy of each row's four lane values into ``C[j, col:col + 4]``,
+    in registers: the same additions of the same operands (pairs 64, 32, 16, 8, 4 apart),
+    without storing the intermediate levels."""
+    def codegen(context, builder, sig, args):
+        pR = _data(context, builder, sig.args[0], args[0])
+        pC = _data(context, builder, sig.args[1], args[1])
+        i64 = ir.IntType(64)
+        ncol = 16 * _LANES
+        for j in range(9):
+            if j == 7:  # the ULP row: summed as integers
+                continue
+            v = [builder.load(_vec_at(builder, pR, ir.Constant(i64, j * _HALF + 8 * k), 8, 8), align=8)
+                 for k in range(16)]
+            while len(v) > 1:  # pairs 64, 32, 16 then 8 apart: the lower half plus the upper
+                h = len(v) // 2
+                v = [builder.fadd(v[k], v[k + h]) for k in range(h)]
+            lanes = builder.fadd(builder.shuffle_vector(v[0], v[0], _mask(0, 1, 2, 3)),
+                                 builder.shuffle_vector(v[0], v[0], _mask(4, 5, 6, 7)))
+            o = builder.add(args[2], ir.Constant(i64, j * ncol))
+            builder.store(lanes, _vec_at(builder, pC, o, 4, 8), align=8)
+        return context.get_dummy_value()
+    return types.none(R, C, col), codegen
 
 
 @_jit
@@ -179,27 +253,6 @@ def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3,
 
 
 @_jit
-def _halve(R):  # pragma: no cover - compiled
-    """Tree levels 2-6 of every row (level 1 is in :func:`_chunk`): pairs 64, 32, 16, 8 and 4
-    apart (constant distances: LLVM sees no dependence and vectorises)."""
-    _wide()
-    for j in range(9):
-        if j == 7:  # the ULP row: summed as integers
-            continue
-        o = j * _HALF
-        for q in range(64):
-            R[o + q] = R[o + q] + R[o + q + 64]
-        for q in range(32):
-            R[o + q] = R[o + q] + R[o + q + 32]
-        for q in range(16):
-            R[o + q] = R[o + q] + R[o + q + 16]
-        for q in range(8):
-            R[o + q] = R[o + q] + R[o + q + 8]
-        for q in range(4):
-            R[o + q] = R[o + q] + R[o + q + 4]
-
-
-@_jit
 def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
           tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc, block_sums,
           first_block):  # pragma: no cover - compiled
@@ -215,15 +268,12 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
         acc[14] = 0
         for ch in range(_BLOCK // _CHUNK):
             if m == _BLOCK:
-                _stage_full(a_src, e_src, g0 + 64 * ch, rev, A, E)
+                _stage_vec(a_src, e_src, g0 + 64 * ch, A, E)
             else:
                 _stage_part(a_src, e_src, g0, m, ch, rev, A, E)
             _chunk(A, E, R, DI[b * _BLOCK + ch * _CHUNK:], mb, sh, mask, expm, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
-            _halve(R)
-            for j in range(9):
-                for l in range(_LANES):
-                    C[j, ch * _LANES + l] = R[j * _HALF + l]
+            _halve_vec(R, C, ch * _LANES)
         for j in range(9):
             w0 = _lane(C, j, 0)
             w1 = _lane(C, j, 1)

@@ -191,6 +191,30 @@ def test_inside_a_process_group_each_process_bisects_its_ranks_and_process_0_rep
     assert merged["culprit"]["rank"] == 1
 
 
+def test_without_shared_storage_each_process_bisects_the_ranks_it_holds(job):
+    """As on two hosts without shared storage (each process's RUN_DIR holds its own rank only): the
+    same result as one process reading both dumps, the wrong all-reduce included, which is judged
+    from both ranks' inputs: process 1 sent rank 1's collective tensors to process 0."""
+    merged = json.loads((job / "hosts-0.json").read_text())
+    assert json.loads((job / "hosts-1.json").read_text()) is None
+    assert not (job / "hosts" / "host0" / "collective" / "rank1").exists()
+    sequential = bisect_ranks(job / "collective").to_json()
+    for key in ("verdict", "culprit", "ranks", "collectives", "candidates", "notes"):
+        assert merged[key] == sequential[key], key
+    assert merged["culprit"]["kind"] == "collective" and merged["culprit"]["ranks"] == [0, 1]
+
+
+def test_each_rank_goes_to_a_process_that_holds_its_dump():
+    from precisiondiff.bisect.ranks import _owners
+    # shared storage: process i of W bisects ranks i, i+W... (as before dumps could lie apart)
+    assert _owners([[0, 1, 2, 3], [0, 1, 2, 3]]) == {0: 0, 1: 1, 2: 0, 3: 1}
+    # each host holds its own ranks: they stay there
+    assert _owners([[0, 1], [2, 3]]) == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert _owners([[1], [0]]) == {0: 1, 1: 0}
+    # a process holding nothing bisects nothing
+    assert _owners([[0, 1], []]) == {0: 0, 1: 0}
+
+
 def test_a_broadcast_must_deliver_the_roots_input():
     root, other = torch.tensor([1.0, 2.0]), torch.tensor([5.0, 6.0])
     unit, load = _unit("c10d.broadcast_.default", "broadcast", [root, other], [root, root])

@@ -182,6 +182,21 @@ def bisect_across(out: str, rank: int) -> None:
         json.dump(None if result is None else result.to_json(), fh)
 
 
+def bisect_hosts(out: str, rank: int) -> None:
+    """As on several hosts without shared storage: each process sees only its own rank's dump of
+    ``collective`` (copied into ``out/hosts/host{rank}/collective/rank{rank}``) and bisects the job
+    across the processes; the collectives' tensors travel over the group."""
+    import json
+    import shutil
+
+    from precisiondiff.bisect.ranks import bisect_ranks
+    run_dir = os.path.join(out, "hosts", f"host{rank}", "collective")
+    shutil.copytree(os.path.join(out, "collective", f"rank{rank}"), os.path.join(run_dir, f"rank{rank}"))
+    result = bisect_ranks(run_dir, across_processes=True)
+    with open(os.path.join(out, f"hosts-{rank}.json"), "w") as fh:
+        json.dump(None if result is None else result.to_json(), fh)
+
+
 def bisect_live(out: str, rank: int) -> None:
     """``bisect_script`` in each process of the job (what ``torchrun ... bisect --script`` runs): the
     script plants the bf16 all-reduce and keeps the job's group; the dumps are kept in ``out/live``."""
@@ -194,14 +209,15 @@ def bisect_live(out: str, rank: int) -> None:
         json.dump(result.to_json(), fh)
 
 
-SCENARIOS = ("clean", "kernel", "collective", "dtensor", "across", "live")
+SCENARIOS = ("clean", "kernel", "collective", "dtensor", "across", "hosts", "live")
 
 
 def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> None:
     """torch.multiprocessing.spawn entry: one gloo group on 127.0.0.1, each scenario captured into
     ``out/NAME``: ``clean``; ``kernel``: the GEMM faulty on rank 1 only; ``collective``: the
     all-reduce sums in bf16; ``dtensor``: the clean ``parallelize_module`` MLP; ``across``: bisect
-    ``kernel`` with the ranks shared among the processes; ``live``: capture and bisect
+    ``kernel`` with the ranks shared among the processes; ``hosts``: bisect ``collective`` with each
+    process seeing only its own rank's dump; ``live``: capture and bisect
     train_tp_bisect.py in every process (:func:`precisiondiff.bisect.script.bisect_script`)."""
     global SLOPPY_GEMM
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -214,6 +230,8 @@ def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> N
             try:
                 if name == "across":
                     bisect_across(out, rank)
+                elif name == "hosts":
+                    bisect_hosts(out, rank)
                 elif name == "live":
                     bisect_live(out, rank)
                 else:
