@@ -322,3 +322,50 @@ def test_read_back_waits_for_every_stream_tensors_were_recorded_on(monkeypatch):
     assert default.waited == [7] and side.waited == []
     noted.join()
     assert default.waited == [7]  # forgotten after a join
+
+
+def test_a_stream_already_noted_is_not_asked_for_again_but_a_new_one_is(monkeypatch):
+    """With the backend's raw current-stream query (CUDA's), a tensor recorded on a stream already
+    noted costs no Stream object; a switch of stream is still seen, and a join forgets both."""
+    from precisiondiff.capture import streams
+
+    class Stream:
+        def __init__(self, sid):
+            self.stream_id, self.waited = sid, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.stream_id)
+
+        def __eq__(self, other):
+            return self.stream_id == other.stream_id
+
+        def __hash__(self):
+            return self.stream_id
+
+    side, default = Stream(7), Stream(0)
+    state = {"current": side, "asked": 0}
+
+    class Module:
+        @staticmethod
+        def current_stream(device):
+            state["asked"] += 1
+            return state["current"]
+
+    monkeypatch.setattr(streams, "_module", lambda device: Module)
+    monkeypatch.setattr(streams, "_raw_query", lambda kind: lambda index: 1000 + state["current"].stream_id)
+    noted = streams.StreamSet()
+    dev = torch.device("cuda", 0)
+    for _ in range(5):
+        noted.note(dev)
+    assert state["asked"] == 1
+    state["current"] = default
+    noted.note(dev)
+    noted.note(dev)
+    assert state["asked"] == 2
+    noted.join()  # asks once per noted stream
+    assert default.waited == [7] and state["asked"] == 4
+    state["current"] = side
+    noted.note(dev)  # forgotten at the join: asked again
+    assert state["asked"] == 5
+    noted.join()
+    assert default.waited == [7] and side.waited == []
