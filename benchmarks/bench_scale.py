@@ -227,7 +227,9 @@ def replay_memory(size: str, dump: str, scope: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="10m")
-    ap.add_argument("--workers", default="2", help="worker counts to bisect with besides 1, e.g. 2 or 2,4")
+    ap.add_argument("--workers", default="2",
+                    help="worker counts to bisect with besides 1, e.g. 2 or 2,4; a count with an m (2m) also puts "
+                         "the module phase on the workers (--modules-on-workers)")
     ap.add_argument("--keep", default=None, help="keep the dump and the results in this directory")
     ap.add_argument("--max-replay-bytes", default=None,
                     help="bisect --max-replay-bytes (default: bisect's own)")
@@ -269,22 +271,28 @@ def main(argv=None) -> int:
             return 1
         print(f"capture: {cap['wall_s']} s, peak RSS {_gib(cap['peak_rss'])}, dump {_gib(_dir_bytes(dump))}{_cpu(cap)}")
     rows = []
-    counts = [1] + [int(w) for w in args.workers.split(",") if w.strip() and int(w) > 1]
+    try:
+        counts = [(1, False)] + [(int(w.strip().rstrip("m")), w.strip().endswith("m") or args.modules_on_workers)
+                                 for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        ap.error(f"--workers {args.workers}: worker counts such as 2,4 or 2m")
+    counts = [counts[0]] + [(n, m) for n, m in counts[1:] if n > 1]
     extra = (["--max-replay-bytes", args.max_replay_bytes] if args.max_replay_bytes else []) + \
         (["--direction", args.direction] if args.direction else [])
-    for n in counts:
-        out = os.path.join(root, f"bisect-w{n}.json")
+    for n, modules in counts:
+        label = f"{n}{'m' if modules else ''}"
+        out = os.path.join(root, f"bisect-w{label}.json")
         run = _timed(cli + ["bisect", dump, "--workload", spec, "--format", "json", "-o", out, *extra]
                      + (["--workers", str(n)] if n > 1 else [])
-                     + (["--modules-on-workers"] if n > 1 and args.modules_on_workers else []), env)
+                     + (["--modules-on-workers"] if modules else []), env)
         if run["rc"] not in (0, 1) or not os.path.exists(out):
             print(run["stderr"][-3000:])
             return 1
         with open(out, encoding="utf-8") as fh:
             res = json.load(fh)
-        rows.append((n, run, res))
+        rows.append((label, run, res))
         c, cost = res.get("culprit") or {}, res["cost"]
-        print(f"bisect, {n} worker(s): {res['verdict']}, culprit {c.get('kind')} {c.get('name')} in "
+        print(f"bisect, {n} worker(s){' (modules too)' if modules else ''}: {res['verdict']}, culprit {c.get('kind')} {c.get('name')} in "
               f"{c.get('scope')} ({c.get('direction')}); wall {run['wall_s']} s, replay phase "
               f"{cost.get('search_s')} s, peak RSS {_gib(run['peak_rss'])}{_cpu(run)}"
               + (f" (workers' peak {_gib(cost.get('workers', {}).get('peak_rss'))}, "

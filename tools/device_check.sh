@@ -9,7 +9,7 @@
 # 3. zoo:     false blames on the model zoo with a cuda/bf16 DUT (stock cuBLAS/cuDNN kernels);
 # 4. capture: capture overhead on the GPU (instrumented step / plain step, per level and mode);
 # 5. profile: where capture's time goes on the GPU (cProfile of one op/stats step);
-# 6. scale:   bisect's replay phase with 1, 8 and 2 workers on this host's cores (853 M decoder).
+# 6. scale:   bisect's replay phase with 1, 2, 2 (modules too) and 8 workers on this host's cores (853 M decoder).
 #
 # PARTS="tests zoo" runs only those parts (default: all, in this order); SCALE_SIZE, SCALE_SEQ, SCALE_WORKERS and
 # SCALE_FLAGS (e.g. --modules-on-workers) change the scale part's bisects.
@@ -54,7 +54,7 @@ part profile 60 45 $PY benchmarks/bench_capture.py --workload examples/tiny_tran
 # 1-worker run; the capture's kernels are compiled by the capture, which is not compared)
 part warm 60 3 $PY -c "from precisiondiff.bisect.workers import warm_kernels; warm_kernels(); print('warm')"
 # 853 M at sequence 64 leaves time for three bisects (at 128, 2026-12-04: capture 84 s, 1 worker 129 s, 2 workers 105 s)
-# SCALE_FLAGS=--modules-on-workers: the module phase on the workers too (not yet measured on many cores)
-part scale 400 16 $PY benchmarks/bench_scale.py --size "${SCALE_SIZE:-1.1b}" --seq "${SCALE_SEQ:-64}" --workers "${SCALE_WORKERS:-8,2}" \
+# 2m: 2 workers with the module phase on them too (--modules-on-workers; not yet measured on many cores)
+part scale 400 16 $PY benchmarks/bench_scale.py --size "${SCALE_SIZE:-1.1b}" --seq "${SCALE_SEQ:-64}" --workers "${SCALE_WORKERS:-2,2m,8}" \
   ${SCALE_FLAGS:-}
 echo "== done in $(($(date +%s) - start)) s"

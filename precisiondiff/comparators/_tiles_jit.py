@@ -30,6 +30,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .._numba_wide import wide as _wide
@@ -50,6 +51,9 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _inline = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 
 
+import os
+_AHEAD = int(os.environ.get('PD_AHEAD', 4096))
+_LOCALITY = int(os.environ.get('PD_LOC', 3))
 _LANES = 4  # AVX2's float64 vector width: the staging writes a lane run with one vector store
 _REV6 = np.array([int(f"{t:06b}"[::-1], 2) for t in range(64)], dtype=np.int64)
 
@@ -116,6 +120,16 @@ def _vec_at(builder, ptr, index, width, align):
     return builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(ptr.type.pointee, width).as_pointer())
 
 
+def _prefetch(builder, ptr, index, locality):
+    """A hint to fetch the cache line of ``ptr[index]`` (never faults, even past the end)."""
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(builder.gep(ptr, [index]), i8p), ir.Constant(i32, 0),
+                      ir.Constant(i32, locality), ir.Constant(i32, 1)])
+
+
 def _mask(*lanes):
     return ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), list(lanes))
 
@@ -146,6 +160,11 @@ def _stage_vec(typingctx, a_src, e_src, s0, A, E):  # pragma: no cover - compile
         i64, i32 = ir.IntType(64), ir.IntType(32)
         v4i32 = ir.VectorType(i32, 4)
         asz = sig.args[0].dtype.bitwidth // 8
+        for l in range(_LANES):  # the same chunk of the next block, for later
+            for off in range(0, 64, 8):
+                _prefetch(builder, pe, builder.add(s, ir.Constant(i64, _AHEAD + 1024 * l + off)), _LOCALITY)
+            for off in range(0, 64, 64 // asz):
+                _prefetch(builder, pa, builder.add(s, ir.Constant(i64, _AHEAD + 1024 * l + off)), _LOCALITY)
         for t0 in range(0, 64, 4):
             er, ar = [], []
             for l in range(_LANES):
@@ -278,12 +297,12 @@ def _chunk_all(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, 
 
 
 @_jit
-def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, SC, mb, sh, mask, expm, r_sub, r_cap,
+def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
           tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc, block_sums,
           first_block, tol):  # pragma: no cover - compiled
     """Tile ``[i, i + c)`` in 4096-element blocks (the last one zero-padded): block sums into
-    ``block_sums``, counts and maxima into ``acc`` (zeroed here), distances into ``DI``,
-    whether a chunk has distances above 1 into ``SC``. Returns the number of blocks."""
+    ``block_sums``, counts and maxima into ``acc`` (zeroed here), distances into ``DI``.
+    Returns the number of blocks."""
     for k in range(acc.shape[0]):
         acc[k] = 0
     nb = -(-c // _BLOCK)
@@ -296,7 +315,6 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, SC, mb, sh, mask, expm, r_sub
                 _stage_vec(a_src, e_src, g0 + 64 * ch, A, E)
             else:
                 _stage_part(a_src, e_src, g0, m, ch, rev, A, E)
-            d1 = acc[12]
             if tol:
                 _chunk_tol(A, E, R, DI[b * _BLOCK + ch * _CHUNK:], mb, sh, mask, expm, r_sub,
                            r_cap, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
@@ -304,7 +322,6 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, SC, mb, sh, mask, expm, r_sub
                 _chunk_all(A, E, R, DI[b * _BLOCK + ch * _CHUNK:], mb, sh, mask, expm, r_sub,
                            r_cap, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
             _halve_vec(R, C, ch * _LANES)
-            SC[b * (_BLOCK // _CHUNK) + ch] = acc[12] - d1 < _CHUNK  # a distance above 1
         for j in range(9):
             w0 = _lane(C, j, 0)
             w1 = _lane(C, j, 1)
@@ -334,24 +351,20 @@ def _count_big(DI, n):  # pragma: no cover - compiled
 
 
 @_jit
-def _histogram(DI, SC, n, hs, hist, bigs, nbig):  # pragma: no cover - compiled
+def _histogram(DI, n, hs, hist, bigs, nbig):  # pragma: no cover - compiled
     """Distances from 2 to 2**16 counted (small ones in 8 interleaved copies of the first bins:
     no chain of stores to one counter), larger ones appended to ``bigs`` from ``nbig`` (the
-    caller checked there is room; it counts 0 and 1); returns the new count. Only the chunks
-    ``SC`` marks (the others hold only 0 and 1)."""
-    for ch in range(n // _CHUNK):
-        if not SC[ch]:
-            continue
-        for k in range(ch * _CHUNK, (ch + 1) * _CHUNK):
-            u = DI[k]
-            if u < _SMALL:  # (this order of the tests: 0.5 instead of 0.85 ns an element)
-                if u >= 2:
-                    hs[(k & 7) * _SMALL + u] += 1
-            elif u < 65536:
-                hist[u] += 1
-            else:
-                bigs[nbig] = np.int64(u)
-                nbig += 1
+    caller checked there is room; it counts 0 and 1); returns the new count."""
+    for k in range(n):
+        u = DI[k]
+        if u < _SMALL:  # (this order of the tests: 0.5 instead of 0.85 ns an element)
+            if u >= 2:
+                hs[(k & 7) * _SMALL + u] += 1
+        elif u < 65536:
+            hist[u] += 1
+        else:
+            bigs[nbig] = np.int64(u)
+            nbig += 1
     return nbig
 
 
@@ -380,7 +393,6 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     # distances of a tile that passes are below 2**32 (keys of finite values), half the
     # bytes of int64 (a failing tile's are not read)
     DI = np.empty(-(-tile // _BLOCK) * _BLOCK, dtype=np.uint32)
-    SC = np.empty(DI.shape[0] // _CHUNK, dtype=np.bool_)
     hs = np.zeros(8 * _SMALL, dtype=np.int64)
     acc = np.zeros(15, dtype=np.int64)
     mx = np.zeros(5, dtype=np.int64)
@@ -389,7 +401,7 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     for t in range(t0, t1):
         i = t * tile
         c = min(tile, n - i)
-        nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, SC, mb, sh, mask, expm, r_sub, r_cap,
+        nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1b, lvl5b, mfb, acc, block_sums,
                    i // _BLOCK, has_tol)
         if acc[0] == 0 and acc[9] >= 65536 and nbig + c > bigs.shape[0]:
@@ -401,7 +413,7 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
             nf += 1
             continue
         if acc[12] < nb * _BLOCK:  # some distances above 1 (else no scan)
-            nbig = _histogram(DI, SC, nb * _BLOCK, hs, hist, bigs, nbig)
+            nbig = _histogram(DI, nb * _BLOCK, hs, hist, bigs, nbig)
         hs[0] += acc[13] - (nb * _BLOCK - c)  # the padding's zeros are not distances
         hs[1] += acc[12] - acc[13]
         counts[0] += c
