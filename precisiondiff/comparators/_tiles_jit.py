@@ -8,12 +8,15 @@ addition of two contiguous halves, with no shuffles: element ``k = 1024 l + 64 c
 (``rev6`` reverses 6 bits), so the tree's pairs ``t, t ^ 1`` are 128 apart, then 64, 32, 16,
 8 and 4 for its next levels. Four lanes, AVX2's float64 width: the staging reads 4 streams
 (with 8 lanes, 8 streams 4 KiB apart met in the same L1 sets: the staging took ~20% longer).
-The element pass (loops that LLVM vectorises) takes the two elements of each first-level pair
-and writes the rows' first level; halving passes reduce each row to its four lane values;
-the chunk and lane levels (6 of the 12) are scalar. The tree, hence every sum, is the one of
-the PyTorch tile. The ULP-distance row is summed as integers: a float64 tree over 4096
-integers below 2**33 adds exactly, so it equals their integer sum. The vectorised loops ask
-for 512-bit vectors (:func:`_wide`; AVX2 machines get 256-bit ones).
+The staging (4 x 4 transposes) and the halving levels are written as LLVM vector code
+(:func:`_stage_vec`, :func:`_halve_vec`: numba's loops did them with scalar instructions);
+the element pass (loops that LLVM vectorises) takes the two elements of each first-level pair
+and writes the rows' first level; the halving reduces each row to its four lane values; the
+chunk and lane levels (6 of the 12) are scalar. The tree, hence every sum, is the one of the
+PyTorch tile. The ULP-distance row is summed as integers: a float64 tree over 4096 integers
+below 2**33 adds exactly, so it equals their integer sum. The vectorised loops ask for 512-bit
+vectors (:func:`_wide`; AVX2 machines get 256-bit ones); the vector code is plain LLVM IR,
+compiled for whatever the host has.
 
 Every element value is computed with the same IEEE float64 operations as the PyTorch tile
 (no fast-math, no contraction). Integer bit tricks replace only operations they reproduce
@@ -29,6 +32,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from llvmlite import ir
+from llvmlite.binding import llvm_version_info
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -51,10 +55,13 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _inline = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 
 
-import os
-_AHEAD = int(os.environ.get('PD_AHEAD', 4096))
-_LOCALITY = int(os.environ.get('PD_LOC', 3))
 _LANES = 4  # AVX2's float64 vector width: the staging writes a lane run with one vector store
+# the staging asks for the same chunk two blocks ahead into L2 (prefetcht1): with the hardware
+# prefetchers alone the staging waited for memory (~0.4 of ~2.6 ns an element, one thread)
+_AHEAD = 2 * _BLOCK
+# the intrinsic is overloaded on its pointer type from LLVM 15 (numba >= 0.61); before, one name
+# (a failed compile would only send every tile to the PyTorch path: tiles_kernel._compiles)
+_PREFETCH = "llvm.prefetch.p0" if llvm_version_info >= (15,) else "llvm.prefetch"
 _REV6 = np.array([int(f"{t:06b}"[::-1], 2) for t in range(64)], dtype=np.int64)
 
 
@@ -86,28 +93,32 @@ def _rows(ab, x, mb, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, tol):  # p
 
 
 @_inline
-def _dist(ab, x, mb, sh, mask, expm, r_sub, r_cap, max_finite):  # pragma: no cover
-    """One element's ULP distance and ``bad << 60``
-    (an actual that is not finite, ``|expected|`` above ``max_finite``)."""
+def _dist(ab, x, mb, sh, mask, r_sub, r_cap, f32):  # pragma: no cover
+    """One element's ULP distance, and the bits of ``|actual|`` and ``|expected|`` (their
+    maxima tell whether the chunk holds a value the fused path cannot take). ``f32`` (a
+    constant): the format is float32."""
     sgn = ab >> 63
     mag = ab & mask
-    nonfin = np.int64((mag & expm) == expm)
     akey = (mag ^ sgn) - sgn
     # expected rounded to the format, to nearest even, as an ordered key
     eb = np.float64(x).view(np.int64)
     esg = eb >> 63
     emag = eb & _ABS  # the bits of |x|
-    mm = emag - _REBIAS
-    rn = (mm + ((np.int64(1) << (sh - 1)) - 1) + ((mm >> sh) & 1)) >> sh
-    # below the smallest normal: rint(|x| / spacing) through the float64 addition of 2**52
-    # (xs <= 2**23: the sum is in [2**52, 2**53), where it rounds to an integer, to even)
-    xs = min(np.int64(emag).view(np.float64), r_cap) * r_sub
-    rs = np.float64(xs + _TWO52).view(np.int64) - _TWO52_BITS
-    rmag = rs if emag < (np.int64(897) << 52) else rn
+    if f32:
+        # the IEEE conversion rounds to nearest even, subnormals included (one instruction
+        # for the integer rounding below; bfloat16 has no such conversion from float64)
+        rmag = np.int64(np.float32(x).view(np.int32)) & 0x7FFFFFFF
+    else:
+        mm = emag - _REBIAS
+        rn = (mm + ((np.int64(1) << (sh - 1)) - 1) + ((mm >> sh) & 1)) >> sh
+        # below the smallest normal: rint(|x| / spacing) through the float64 addition of
+        # 2**52 (xs <= 2**23: the sum is in [2**52, 2**53), where it rounds to an integer, to
+        # even)
+        xs = min(np.int64(emag).view(np.float64), r_cap) * r_sub
+        rs = np.float64(xs + _TWO52).view(np.int64) - _TWO52_BITS
+        rmag = rs if emag < (np.int64(897) << 52) else rn
     rkey = (rmag ^ esg) - esg
-    dist = abs(akey - rkey)
-    bad = (((max_finite - emag) >> 63) & 1) | nonfin
-    return dist, bad << 60
+    return abs(akey - rkey), mag, emag
 
 
 def _data(context, builder, ty, value):
@@ -115,19 +126,26 @@ def _data(context, builder, ty, value):
     return context.make_array(ty)(context, builder, value).data
 
 
-def _vec_at(builder, ptr, index, width, align):
-    """A ``<width x T>`` pointer to ``ptr[index]``."""
-    return builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(ptr.type.pointee, width).as_pointer())
+def _vec_at(builder, ptr, index, width):
+    """``ptr + index`` as a pointer to a ``<width x T>`` vector."""
+    vector = ir.VectorType(ptr.type.pointee, width)
+    return builder.bitcast(builder.gep(ptr, [index]), vector.as_pointer())
 
 
-def _prefetch(builder, ptr, index, locality):
-    """A hint to fetch the cache line of ``ptr[index]`` (never faults, even past the end)."""
+def _flat(*arrays):
+    """Whether every type is a C-contiguous 1-d array (the intrinsics index raw pointers)."""
+    return all(isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" for t in arrays)
+
+
+def _prefetch(builder, ptr, index):
+    """A hint to fetch the cache line of ``ptr[index]`` into L2 (never faults, even past the
+    end of the array)."""
     i8p = ir.IntType(8).as_pointer()
     i32 = ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0")
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH)
     builder.call(fn, [builder.bitcast(builder.gep(ptr, [index]), i8p), ir.Constant(i32, 0),
-                      ir.Constant(i32, locality), ir.Constant(i32, 1)])
+                      ir.Constant(i32, 2), ir.Constant(i32, 1)])
 
 
 def _mask(*lanes):
@@ -149,8 +167,17 @@ def _transpose4(builder, rows):
 
 @intrinsic
 def _stage_vec(typingctx, a_src, e_src, s0, A, E):  # pragma: no cover - compiled
-    """:func:`_stage_full` with 4 x 4 transposes in vector registers (numba's loops cannot
-    express them: LLVM's SLP vectoriser is off). Same stores, same values."""
+    """The chunk starting at ``s0`` of a full block (element ``t`` of lane ``l`` at
+    ``s0 + 1024 l + t``) into its permuted order: ``A[4 rev6(t) + l]`` (the actual bits as
+    int32, sign-extended) and ``E[4 rev6(t) + l]``. Four ``t`` at a time: four 4-element
+    vector loads (one per lane), a 4 x 4 transpose in registers, four vector stores (numba's
+    loops cannot express this: its SLP vectoriser is off, and the scalar copies cost ~1.1 ns an
+    element against ~0.2). It also prefetches the same chunk ``_AHEAD`` elements on."""
+    if not (_flat(a_src, e_src, A, E) and isinstance(a_src.dtype, types.Integer)
+            and a_src.dtype.bitwidth in (16, 32) and A.dtype == types.int32
+            and e_src.dtype == E.dtype == types.float64 and isinstance(s0, types.Integer)):
+        return None
+
     def codegen(context, builder, sig, args):
         pa = _data(context, builder, sig.args[0], args[0])
         pe = _data(context, builder, sig.args[1], args[1])
@@ -160,31 +187,38 @@ def _stage_vec(typingctx, a_src, e_src, s0, A, E):  # pragma: no cover - compile
         i64, i32 = ir.IntType(64), ir.IntType(32)
         v4i32 = ir.VectorType(i32, 4)
         asz = sig.args[0].dtype.bitwidth // 8
-        for l in range(_LANES):  # the same chunk of the next block, for later
+        for l in range(_LANES):  # this chunk's lines, _AHEAD elements on
             for off in range(0, 64, 8):
-                _prefetch(builder, pe, builder.add(s, ir.Constant(i64, _AHEAD + 1024 * l + off)), _LOCALITY)
+                _prefetch(builder, pe, builder.add(s, ir.Constant(i64, _AHEAD + 1024 * l + off)))
             for off in range(0, 64, 64 // asz):
-                _prefetch(builder, pa, builder.add(s, ir.Constant(i64, _AHEAD + 1024 * l + off)), _LOCALITY)
+                _prefetch(builder, pa, builder.add(s, ir.Constant(i64, _AHEAD + 1024 * l + off)))
         for t0 in range(0, 64, 4):
             er, ar = [], []
             for l in range(_LANES):
                 k = builder.add(s, ir.Constant(i64, 1024 * l + t0))
-                er.append(builder.load(_vec_at(builder, pe, k, 4, 8), align=8))
-                av = builder.load(_vec_at(builder, pa, k, 4, asz), align=asz)
+                er.append(builder.load(_vec_at(builder, pe, k, 4), align=8))
+                av = builder.load(_vec_at(builder, pa, k, 4), align=asz)
                 ar.append(builder.sext(av, v4i32) if asz < 4 else av)
-            for t, ec, ac in zip(range(t0, t0 + 4), _transpose4(builder, er), _transpose4(builder, ar)):
+            columns = zip(range(t0, t0 + 4), _transpose4(builder, er), _transpose4(builder, ar))
+            for t, ec, ac in columns:
                 o = ir.Constant(i64, int(_REV6[t]) * _LANES)
-                builder.store(ec, _vec_at(builder, pE, o, 4, 8), align=8)
-                builder.store(ac, _vec_at(builder, pA, o, 4, 4), align=4)
+                builder.store(ec, _vec_at(builder, pE, o, 4), align=8)
+                builder.store(ac, _vec_at(builder, pA, o, 4), align=4)
         return context.get_dummy_value()
     return types.none(a_src, e_src, s0, A, E), codegen
 
 
 @intrinsic
 def _halve_vec(typingctx, R, C, col):  # pragma: no cover - compiled
-    """:func:`_halve` and the copy of each row's four lane values into ``C[j, col:col + 4]``,
-    in registers: the same additions of the same operands (pairs 64, 32, 16, 8, 4 apart),
-    without storing the intermediate levels."""
+    """Tree levels 2-6 of every float row of a chunk (level 1 is in :func:`_chunk`): pairs 64,
+    32, 16, 8 and 4 apart in ``R[128 j:128 j + 128]``, the row's four lane values into
+    ``C[j, col:col + 4]`` (``C`` is ``(9, 64)``). In vector registers, the same additions of
+    the same operands as a loop per level over ``R``, without storing the levels between (the
+    loops that did, LLVM left partly scalar: ~0.6 ns an element against ~0.2)."""
+    if not (_flat(R) and R.dtype == types.float64 and isinstance(C, types.Array) and C.ndim == 2
+            and C.layout == "C" and C.dtype == types.float64 and isinstance(col, types.Integer)):
+        return None
+
     def codegen(context, builder, sig, args):
         pR = _data(context, builder, sig.args[0], args[0])
         pC = _data(context, builder, sig.args[1], args[1])
@@ -193,7 +227,7 @@ def _halve_vec(typingctx, R, C, col):  # pragma: no cover - compiled
         for j in range(9):
             if j == 7:  # the ULP row: summed as integers
                 continue
-            v = [builder.load(_vec_at(builder, pR, ir.Constant(i64, j * _HALF + 8 * k), 8, 8), align=8)
+            v = [builder.load(_vec_at(builder, pR, ir.Constant(i64, j * _HALF + 8 * k), 8), align=8)
                  for k in range(16)]
             while len(v) > 1:  # pairs 64, 32, 16 then 8 apart: the lower half plus the upper
                 h = len(v) // 2
@@ -201,7 +235,7 @@ def _halve_vec(typingctx, R, C, col):  # pragma: no cover - compiled
             lanes = builder.fadd(builder.shuffle_vector(v[0], v[0], _mask(0, 1, 2, 3)),
                                  builder.shuffle_vector(v[0], v[0], _mask(4, 5, 6, 7)))
             o = builder.add(args[2], ir.Constant(i64, j * ncol))
-            builder.store(lanes, _vec_at(builder, pC, o, 4, 8), align=8)
+            builder.store(lanes, _vec_at(builder, pC, o, 4), align=8)
         return context.get_dummy_value()
     return types.none(R, C, col), codegen
 
@@ -222,13 +256,13 @@ def _stage_part(a_src, e_src, g0, m, c, rev, A, E):  # pragma: no cover - compil
 
 @_inline
 def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-           tol_r, lvl1, lvl5, max_finite, acc, tol):  # pragma: no cover - compiled
+           tol_r, lvl1, lvl5, max_finite, acc, tol, f32):  # pragma: no cover - compiled
     """The element pass of one staged chunk, as two loops (one would keep more values than
     AVX2's 16 vector registers hold: spills). The rows with the tree's first level: positions
     ``q`` and ``q + 128`` (the pair ``t, t ^ 1``) in one iteration, ``R[128 j + q]`` their sum
     in row ``j``; then the ULP distances, ``DI[p]`` at ``p``. Counts and maxima into ``acc``.
-    ``tol`` (a constant: see :func:`_chunk_tol`) whether to count elements outside the
-    tolerance."""
+    ``tol`` and ``f32`` (constants: :func:`_chunk_tol_f32` and the like): whether to count
+    elements outside the tolerance, whether the format is float32."""
     n_nz = n_neg = n_out = n_r1 = n_r5 = 0
     m0 = m1 = m3 = m4 = 0
     for q in range(_HALF):
@@ -254,23 +288,27 @@ def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3,
         m1 = max(m1, max(relb, relb2))
         m3 = max(m3, max(ueb, ueb2))
         m4 = max(m4, max(v3b, v3b2))
-    dsum = m2 = n_d0 = n_d1 = 0
+    dsum = m2 = s1 = s2 = amax = emax = 0
     for p in range(_CHUNK):
-        dist, bad = _dist(np.int64(A[p]), E[p], mb, sh, mask, expm, r_sub, r_cap, max_finite)
+        dist, mag, emag = _dist(np.int64(A[p]), E[p], mb, sh, mask, r_sub, r_cap, f32)
         DI[p] = np.uint32(dist)
-        n_d0 += np.int64(dist == 0)
-        n_d1 += np.int64(dist <= 1)
+        s1 += min(dist, 1)  # distances 1 and above
+        s2 += min(dist, 2)  # and once more those above 1
         dsum += dist
-        m2 = max(m2, dist | bad)
-    acc[0] += m2 >> 60  # a value the fused path cannot take
+        m2 = max(m2, dist)
+        amax = max(amax, mag)
+        emax = max(emax, emag)
+    # a value the fused path cannot take: an actual that is not finite, |expected| above the
+    # format's largest value
+    acc[0] += (amax >= expm) | (emax > max_finite)
     acc[14] += dsum  # the ULP row: integers, so every float64 tree of them is exact
     acc[1] += n_nz
     acc[2] += n_neg
     acc[3] += n_out
     acc[4] += n_r1
     acc[5] += n_r5
-    acc[13] += n_d0  # distances 0
-    acc[12] += n_d1  # distances 0 and 1
+    acc[13] += _CHUNK - s1  # distances 0
+    acc[12] += _CHUNK - (s2 - s1)  # distances 0 and 1
     acc[7] = max(acc[7], m0)
     acc[8] = max(acc[8], m1)
     acc[9] = max(acc[9], m2)
@@ -279,21 +317,39 @@ def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3,
 
 
 @_jit
-def _chunk_tol(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-               tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
-    """:func:`_chunk` counting the elements outside the tolerance."""
+def _chunk_tol_f32(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+                   tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
+    """:func:`_chunk` for float32, counting the elements outside the tolerance."""
     _wide()
     _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
-           lvl1, lvl5, max_finite, acc, True)
+           lvl1, lvl5, max_finite, acc, True, True)
 
 
 @_jit
-def _chunk_all(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-               tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
-    """:func:`_chunk` without a tolerance (nothing is outside: a few operations less)."""
+def _chunk_tol_bf16(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+                    tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
+    """:func:`_chunk` for bfloat16, counting the elements outside the tolerance."""
     _wide()
     _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
-           lvl1, lvl5, max_finite, acc, False)
+           lvl1, lvl5, max_finite, acc, True, False)
+
+
+@_jit
+def _chunk_all_f32(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+                   tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
+    """:func:`_chunk` for float32, without a tolerance (nothing is outside)."""
+    _wide()
+    _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
+           lvl1, lvl5, max_finite, acc, False, True)
+
+
+@_jit
+def _chunk_all_bf16(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
+                    tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
+    """:func:`_chunk` for bfloat16, without a tolerance (nothing is outside)."""
+    _wide()
+    _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
+           lvl1, lvl5, max_finite, acc, False, False)
 
 
 @_jit
@@ -305,6 +361,7 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
     Returns the number of blocks."""
     for k in range(acc.shape[0]):
         acc[k] = 0
+    f32 = a_src.itemsize == 4  # float32 bits (else bfloat16's)
     nb = -(-c // _BLOCK)
     for b in range(nb):
         g0 = i + b * _BLOCK
@@ -315,12 +372,19 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
                 _stage_vec(a_src, e_src, g0 + 64 * ch, A, E)
             else:
                 _stage_part(a_src, e_src, g0, m, ch, rev, A, E)
-            if tol:
-                _chunk_tol(A, E, R, DI[b * _BLOCK + ch * _CHUNK:], mb, sh, mask, expm, r_sub,
-                           r_cap, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+            di = DI[b * _BLOCK + ch * _CHUNK:]
+            if tol and f32:
+                _chunk_tol_f32(A, E, R, di, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits,
+                               th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+            elif tol:
+                _chunk_tol_bf16(A, E, R, di, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits,
+                                th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+            elif f32:
+                _chunk_all_f32(A, E, R, di, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits,
+                               th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
             else:
-                _chunk_all(A, E, R, DI[b * _BLOCK + ch * _CHUNK:], mb, sh, mask, expm, r_sub,
-                           r_cap, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+                _chunk_all_bf16(A, E, R, di, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits,
+                                th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
             _halve_vec(R, C, ch * _LANES)
         for j in range(9):
             w0 = _lane(C, j, 0)

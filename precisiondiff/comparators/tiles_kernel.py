@@ -95,6 +95,8 @@ def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, par
         kind, a = F32, actual.view(torch.int32).numpy()
     e = expected.numpy()
     tiles = -(-n // tile)
+    if not _compiles(kind, a.dtype, params):
+        return list(range(tiles))
     threads = max(1, min(torch.get_num_threads(), n // _MIN_PER_THREAD, tiles))
     # the threads take batches of tiles as they go (on a shared machine one core may run
     # slower: equal shares would leave the other waiting), ~8 batches per thread or more
@@ -145,6 +147,33 @@ def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, par
     return failed
 
 
+_COMPILED: dict = {}  # (kind, actual's dtype) -> whether the kernel compiled here
+
+
+def _compiles(kind: int, a_dtype: np.dtype, params: tuple) -> bool:
+    """Whether the kernel for ``kind`` compiles (or loads from numba's cache) on this machine: tried
+    once per process on one tile of zeros. Part of it is LLVM vector code written by hand
+    (_tiles_jit.py); an LLVM that refuses it disables the kernels, and every tile takes the
+    PyTorch path (the same figures), with one warning."""
+    global AVAILABLE
+    key = (kind, np.dtype(a_dtype).str)
+    if key not in _COMPILED:
+        try:
+            compare_range(kind, np.zeros(_CHECK, dtype=a_dtype), np.zeros(_CHECK), _CHECK, _CHECK, 0, 1, params,
+                          np.zeros((9, 1)), np.zeros(9, dtype=np.int64), np.zeros(5),
+                          np.zeros(1 << 16, dtype=np.int32))
+            _COMPILED[key] = True
+        except Exception as err:  # noqa: BLE001 - any failure: the PyTorch path
+            _COMPILED[key] = False
+            _loader.disable()
+            AVAILABLE = False
+            import logging
+            logging.getLogger(__name__).warning("the fused compare kernel failed to compile (%s): using PyTorch",
+                                                err)
+    return _COMPILED[key]
+
+
+_CHECK = 4096  # one block
 _POOL = None
 _POOL_SIZE = 0
 _POOL_LOCK = threading.Lock()

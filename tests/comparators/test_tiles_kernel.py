@@ -39,6 +39,36 @@ def test_the_fast_path_is_there():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_kernel_that_does_not_compile_leaves_every_tile_to_pytorch(dtype, monkeypatch):
+    """Part of the kernel is LLVM vector code written by hand: an LLVM that refuses it (planted: the
+    kernel raises as numba does on a failed compile) disables the kernels, with the same figures."""
+    e = torch.linspace(-3.0, 5.0, 3 * 4096 + 17, dtype=torch.float64)
+    a = (e * 1.001).to(dtype)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tiles_kernel, "AVAILABLE", False)
+        slow = compare_tensors(a, e).to_dict()
+
+    class Broken:
+        @staticmethod
+        def _tiles(*args):
+            raise RuntimeError("LLVM ERROR: planted")
+
+    class Loader:
+        failed = False
+
+        def __call__(self):
+            return None if self.failed else Broken()
+
+        def disable(self):
+            self.failed = True
+    monkeypatch.setattr(tiles_kernel, "_loader", Loader())
+    monkeypatch.setattr(tiles_kernel, "_COMPILED", {})
+    monkeypatch.setattr(tiles_kernel, "AVAILABLE", True)
+    _assert_bitwise(compare_tensors(a, e).to_dict(), slow)
+    assert not tiles_kernel.AVAILABLE and tiles_kernel._loader.failed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31), n=st.sampled_from([1, 3, 4096, 5000, 70000, 140000]),
        noise=st.sampled_from([0.0, 1e-3, 0.3]), tol=st.booleans(),
