@@ -15,8 +15,8 @@ from ..comparators.accumulation import is_random_call, magnitude_op
 from ..comparators.peers import compute_dtype
 from . import _compat
 from . import judge as J
-from .isolate import (GoldenMode, UnitEvent, Unreplayable, replay_module_backward,
-                      replay_module_forward, replay_module_step, replay_op, resolve_op)
+from .isolate import (GoldenMode, IncompleteTemplate, UnitEvent, Unreplayable, is_meta_template,
+                      replay_module_backward, replay_module_forward, replay_module_step, replay_op, resolve_op)
 from .optimizer import is_update, replay_update
 from .references import reference_for
 from .reuse import ReplayedOps, RoundedOps
@@ -82,6 +82,9 @@ class EngineInput:
     ref_device: str = "cpu"
     ref_dtype: torch.dtype = torch.float64
     module_of: Optional[Callable[[str], Optional[torch.nn.Module]]] = None
+    # switches module_of from meta templates to the real model (offline.Templates.real): False when
+    # it already was. None: templates are what they are.
+    real_templates: Optional[Callable[[], bool]] = None
     param_grad: Dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     direction: Optional[str] = None
     module_class_of: Optional[Callable[[str], Optional[str]]] = None
@@ -543,6 +546,31 @@ def _judge_module(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fall
                   held: Sequence[UnitEvent] = (), bwd: Optional[UnitEvent] = None,
                   shared: Optional[Dict[int, Any]] = None,
                   rounded: Optional[RoundedOps] = None) -> Tuple[Judgement, dict]:
+    """:func:`_judge_module_with` the template ``inp.module_of`` gives; a template built on the meta
+    device whose state the dump does not restore (:class:`IncompleteTemplate`, or a replay failing
+    with an error that names the meta device: a tensor held in a container or a closure) is judged
+    again with the real model (``inp.real_templates``), as a replay worker does."""
+    template = inp.module_of(ev.scope) if inp.module_of is not None else None
+    if inp.real_templates is None or template is None or not is_meta_template(template):
+        return _judge_module_with(ev, inp, counter, fallback, forward_calls, held, bwd, shared, rounded)
+    tried: Dict[str, int] = {}
+    try:
+        judgement, detail = _judge_module_with(ev, inp, tried, fallback, forward_calls, held, bwd, shared, rounded)
+        if judgement.replayable or "meta" not in str(detail.get("reason", "")).lower():
+            for key, n in tried.items():
+                counter[key] = counter.get(key, 0) + n
+            return judgement, detail
+    except IncompleteTemplate:
+        pass
+    inp.real_templates()
+    return _judge_module_with(ev, inp, counter, fallback, forward_calls, held, bwd, shared, rounded)
+
+
+def _judge_module_with(ev: UnitEvent, inp: EngineInput, counter: Dict[str, int], fallback: set,
+                       forward_calls: Dict[Tuple[str, str], List[UnitEvent]],
+                       held: Sequence[UnitEvent] = (), bwd: Optional[UnitEvent] = None,
+                       shared: Optional[Dict[int, Any]] = None,
+                       rounded: Optional[RoundedOps] = None) -> Tuple[Judgement, dict]:
     """Judge a module call against emulated rounding (judge.py). A module that holds ops which
     could not be replayed (``held``) stands in for them: it is also judged per element against
     the loosest of their budgets (:func:`~precisiondiff.bisect.judge.judge_standin`), since the

@@ -109,6 +109,41 @@ def test_a_worker_replays_with_the_real_model_where_the_dump_cannot_restore_a_me
     assert json.dumps(_figures(two.to_json()), sort_keys=True) == json.dumps(_figures(one), sort_keys=True)
 
 
+@pytest.mark.parametrize("case", ["planted", "gain"])
+def test_the_search_replays_meta_templates_and_builds_the_model_only_when_needed(case, dump, tmp_path, monkeypatch):
+    """The search's own process replays modules from templates built on the meta device (no random
+    initialisation of the model); it builds the real model only where a template's state is not in
+    the dump (the gain block's plain tensor attribute) or for the reference run: block-wise with a
+    culprit (no reference run), the planted stack is never built for real. Either way the figures
+    are those of replaying the real model throughout."""
+    from precisiondiff.bisect import offline
+    from precisiondiff.bisect.engine import replay_bytes
+    from tests.bisect import planted_blocks
+    workload, path = PLANTED, dump
+    if case == "gain":
+        workload, path = "tests/bisect/planted_blocks.py:gain_workload", str(tmp_path / "gain")
+        capture_workload(workload, path, target="cpu/bf16", mode="replay")
+    limit = max(replay_bytes(m, torch.float64) for m in planted_blocks.clean_workload().model.children())
+    real_builds = []
+    build = offline._workload_for
+
+    def counting(*args, on_meta=False, **kwargs):
+        real_builds.extend([] if on_meta else [1])
+        return build(*args, on_meta=on_meta, **kwargs)
+    monkeypatch.setattr(offline, "_workload_for", counting)
+    lazy = bisect_dump(path, workload=workload, max_replay_bytes=limit).to_json()
+    assert lazy["verdict"] == "kernel"
+    assert len(real_builds) == (1 if case == "gain" else 0)
+
+    class Real(offline.Templates):  # the real model from the start, as before
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.real()
+    monkeypatch.setattr(offline, "Templates", Real)
+    eager = bisect_dump(path, workload=workload, max_replay_bytes=limit).to_json()
+    assert json.dumps(_figures(lazy), sort_keys=True) == json.dumps(_figures(eager), sort_keys=True)
+
+
 def test_a_meta_template_takes_all_its_state_from_the_recorded_call():
     from precisiondiff.bisect.isolate import IncompleteTemplate, UnitEvent, _module_copy
     with torch.device("meta"):
