@@ -287,22 +287,25 @@ def test_warnings_as_errors_do_not_reach_the_workload(tmp_path, monkeypatch):
     assert cap.errors
 
 
+class Stream:
+    """A stand-in accelerator stream: remembers the streams it was made to wait for."""
+
+    def __init__(self, sid):
+        self.stream_id, self.waited = sid, []
+
+    def wait_stream(self, other):
+        self.waited.append(other.stream_id)
+
+    def __eq__(self, other):
+        return self.stream_id == other.stream_id
+
+    def __hash__(self):
+        return self.stream_id
+
+
 def test_read_back_waits_for_every_stream_tensors_were_recorded_on(monkeypatch):
     """Device-generic stream ordering, with a stand-in device module (no accelerator here)."""
     from precisiondiff.capture import streams
-
-    class Stream:
-        def __init__(self, sid):
-            self.stream_id, self.waited = sid, []
-
-        def wait_stream(self, other):
-            self.waited.append(other.stream_id)
-
-        def __eq__(self, other):
-            return self.stream_id == other.stream_id
-
-        def __hash__(self):
-            return self.stream_id
 
     side, default = Stream(7), Stream(0)
     state = {"current": side}
@@ -328,19 +331,6 @@ def test_a_stream_already_noted_is_not_asked_for_again_but_a_new_one_is(monkeypa
     """With the backend's raw current-stream query (CUDA's), a tensor recorded on a stream already
     noted costs no Stream object; a switch of stream is still seen, and a join forgets both."""
     from precisiondiff.capture import streams
-
-    class Stream:
-        def __init__(self, sid):
-            self.stream_id, self.waited = sid, []
-
-        def wait_stream(self, other):
-            self.waited.append(other.stream_id)
-
-        def __eq__(self, other):
-            return self.stream_id == other.stream_id
-
-        def __hash__(self):
-            return self.stream_id
 
     side, default = Stream(7), Stream(0)
     state = {"current": side, "asked": 0}
