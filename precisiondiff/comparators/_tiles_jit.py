@@ -78,25 +78,29 @@ def _rows(ab, x, mb, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, tol):  # p
     ad = abs(d)
     ax = abs(x)
     rel = ad / max(ax, tiny)
-    db = max((eb & _EXP_MASK) - (mb << 52), floor_bits)
-    ue = ad * np.int64(0x7FE0000000000000 - db).view(np.float64)
+    # 1 / spacing: bits 0x7FE0... - max((eb & _EXP_MASK) - (mb << 52), floor_bits), written so
+    # that LLVM merges the two constants (one instruction fewer; the same integers)
+    mb52 = mb << 52
+    rsb = (0x7FE0000000000000 - max(eb & _EXP_MASK, floor_bits + mb52)) + mb52
+    ue = ad * np.int64(rsb).view(np.float64)
     v3 = ad if ax < th3 else rel
     # counts and maxima on bit patterns where they are integers already (non-negative floats
-    # order like their bits); a NaN ``d`` or ``rel`` only occurs in a tile that fails anyway
+    # order like their bits; ``min(adb, 1)`` is ``d != 0`` in one instruction fewer than a
+    # comparison); a NaN ``d`` or ``rel`` only occurs in a tile that fails anyway
     adb = np.float64(ad).view(np.int64)
     relb = np.float64(rel).view(np.int64)
     out = np.int64(ad > ax * tol_r + tol_a) if tol else 0
     return (ad, ax, d * d, x * x, a * a, a * x, rel, ue, adb, relb,
             np.float64(ue).view(np.int64), np.float64(v3).view(np.int64),
-            np.int64(adb != 0), np.int64(d < 0.0), out, np.int64(relb > lvl1),
+            min(adb, 1), np.int64(d < 0.0), out, np.int64(relb > lvl1),
             np.int64(relb > lvl5))
 
 
 @_inline
 def _dist(ab, x, mb, sh, mask, r_sub, r_cap, f32):  # pragma: no cover
-    """One element's ULP distance, and the bits of ``|actual|`` and ``|expected|`` (their
-    maxima tell whether the chunk holds a value the fused path cannot take). ``f32`` (a
-    constant): the format is float32."""
+    """One element's ULP distance, and the bits of ``|expected|`` (the chunk's maximum of them
+    tells whether it holds an expected value the fused path cannot take). ``f32`` (a constant): the
+    format is float32."""
     sgn = ab >> 63
     mag = ab & mask
     akey = (mag ^ sgn) - sgn
@@ -118,7 +122,7 @@ def _dist(ab, x, mb, sh, mask, r_sub, r_cap, f32):  # pragma: no cover
         rs = np.float64(xs + _TWO52).view(np.int64) - _TWO52_BITS
         rmag = rs if emag < (np.int64(897) << 52) else rn
     rkey = (rmag ^ esg) - esg
-    return abs(akey - rkey), mag, emag
+    return abs(akey - rkey), emag
 
 
 def _data(context, builder, ty, value):
@@ -255,14 +259,18 @@ def _stage_part(a_src, e_src, g0, m, c, rev, A, E):  # pragma: no cover - compil
 
 
 @_inline
-def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-           tol_r, lvl1, lvl5, max_finite, acc, tol, f32):  # pragma: no cover - compiled
+def _chunk(A, E, R, DI, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5,
+           max_finite, acc, tol, f32):  # pragma: no cover - compiled
     """The element pass of one staged chunk, as two loops (one would keep more values than
     AVX2's 16 vector registers hold: spills). The rows with the tree's first level: positions
     ``q`` and ``q + 128`` (the pair ``t, t ^ 1``) in one iteration, ``R[128 j + q]`` their sum
     in row ``j``; then the ULP distances, ``DI[p]`` at ``p``. Counts and maxima into ``acc``.
-    ``tol`` and ``f32`` (constants: :func:`_chunk_tol_f32` and the like): whether to count
-    elements outside the tolerance, whether the format is float32."""
+    ``tol`` and ``f32`` (constants: :func:`_chunk_kernel`): whether to count elements outside
+    the tolerance, whether the format is float32."""
+    # the format's mantissa bits, mask and shift as compile-time constants: shifts by
+    # immediates, no vector registers (nor spills) holding them
+    mb, mask = (23, 0x7FFFFFFF) if f32 else (7, 0x7FFF)
+    sh = 52 - mb
     n_nz = n_neg = n_out = n_r1 = n_r5 = 0
     m0 = m1 = m3 = m4 = 0
     for q in range(_HALF):
@@ -288,19 +296,20 @@ def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3,
         m1 = max(m1, max(relb, relb2))
         m3 = max(m3, max(ueb, ueb2))
         m4 = max(m4, max(v3b, v3b2))
-    dsum = m2 = s1 = s2 = amax = emax = 0
+    dsum = m2 = s1 = s2 = emax = 0
     for p in range(_CHUNK):
-        dist, mag, emag = _dist(np.int64(A[p]), E[p], mb, sh, mask, r_sub, r_cap, f32)
+        dist, emag = _dist(np.int64(A[p]), E[p], mb, sh, mask, r_sub, r_cap, f32)
         DI[p] = np.uint32(dist)
         s1 += min(dist, 1)  # distances 1 and above
         s2 += min(dist, 2)  # and once more those above 1
         dsum += dist
         m2 = max(m2, dist)
-        amax = max(amax, mag)
         emax = max(emax, emag)
-    # a value the fused path cannot take: an actual that is not finite, |expected| above the
-    # format's largest value
-    acc[0] += (amax >= expm) | (emax > max_finite)
+    # a value the fused path cannot take: |expected| above the format's largest value, or an
+    # actual that is not finite; with the former ruled out, the latter is a |d| that is not
+    # finite (a finite actual minus an expected within the format's range is finite), read off
+    # the maximum of |d| at hand
+    acc[0] += (m0 >= _EXP_MASK) | (emax > max_finite)
     acc[14] += dsum  # the ULP row: integers, so every float64 tree of them is exact
     acc[1] += n_nz
     acc[2] += n_neg
@@ -316,44 +325,27 @@ def _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3,
     acc[11] = max(acc[11], m4)
 
 
-@_jit
-def _chunk_tol_f32(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-                   tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
-    """:func:`_chunk` for float32, counting the elements outside the tolerance."""
-    _wide()
-    _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
-           lvl1, lvl5, max_finite, acc, True, True)
+def _chunk_kernel(tol: bool, f32: bool):
+    """:func:`_chunk` compiled for one case (``tol``: count the elements outside the tolerance;
+    ``f32``: float32, else bfloat16), both constants of the closure: the code of the other cases
+    is not compiled in."""
+    @_jit
+    def chunk(A, E, R, DI, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite,
+              acc):  # pragma: no cover - compiled
+        _wide()
+        _chunk(A, E, R, DI, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc,
+               tol, f32)
+    return chunk
+
+
+_chunk_tol_f32 = _chunk_kernel(True, True)
+_chunk_tol_bf16 = _chunk_kernel(True, False)
+_chunk_all_f32 = _chunk_kernel(False, True)
+_chunk_all_bf16 = _chunk_kernel(False, False)
 
 
 @_jit
-def _chunk_tol_bf16(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-                    tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
-    """:func:`_chunk` for bfloat16, counting the elements outside the tolerance."""
-    _wide()
-    _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
-           lvl1, lvl5, max_finite, acc, True, False)
-
-
-@_jit
-def _chunk_all_f32(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-                   tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
-    """:func:`_chunk` for float32, without a tolerance (nothing is outside)."""
-    _wide()
-    _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
-           lvl1, lvl5, max_finite, acc, False, True)
-
-
-@_jit
-def _chunk_all_bf16(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a,
-                    tol_r, lvl1, lvl5, max_finite, acc):  # pragma: no cover - compiled
-    """:func:`_chunk` for bfloat16, without a tolerance (nothing is outside)."""
-    _wide()
-    _chunk(A, E, R, DI, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
-           lvl1, lvl5, max_finite, acc, False, False)
-
-
-@_jit
-def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
+def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, r_sub, r_cap,
           tiny, floor_bits, th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc, block_sums,
           first_block, tol):  # pragma: no cover - compiled
     """Tile ``[i, i + c)`` in 4096-element blocks (the last one zero-padded): block sums into
@@ -374,17 +366,17 @@ def _tile(a_src, e_src, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_
                 _stage_part(a_src, e_src, g0, m, ch, rev, A, E)
             di = DI[b * _BLOCK + ch * _CHUNK:]
             if tol and f32:
-                _chunk_tol_f32(A, E, R, di, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits,
-                               th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+                _chunk_tol_f32(A, E, R, di, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
+                               lvl1, lvl5, max_finite, acc)
             elif tol:
-                _chunk_tol_bf16(A, E, R, di, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits,
-                                th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+                _chunk_tol_bf16(A, E, R, di, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
+                                lvl1, lvl5, max_finite, acc)
             elif f32:
-                _chunk_all_f32(A, E, R, di, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits,
-                               th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+                _chunk_all_f32(A, E, R, di, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
+                               lvl1, lvl5, max_finite, acc)
             else:
-                _chunk_all_bf16(A, E, R, di, mb, sh, mask, expm, r_sub, r_cap, tiny, floor_bits,
-                                th3, tol_a, tol_r, lvl1, lvl5, max_finite, acc)
+                _chunk_all_bf16(A, E, R, di, r_sub, r_cap, tiny, floor_bits, th3, tol_a, tol_r,
+                                lvl1, lvl5, max_finite, acc)
             _halve_vec(R, C, ch * _LANES)
         for j in range(9):
             w0 = _lane(C, j, 0)
@@ -439,10 +431,6 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     """Tiles ``t0 .. t1 - 1``: ``a_src`` holds the actual bit patterns (int16 for bfloat16,
     int32 for float32). Tiles that need the general path are listed in ``failed``;
     ``out`` = (their count, the count of ``bigs``)."""
-    mb = 7 if kind == BF16 else 23
-    mask = 0x7FFF if kind == BF16 else 0x7FFFFFFF
-    expm = 0x7F80 if kind == BF16 else 0x7F800000
-    sh = 52 - mb
     r_sub = 1.0 / sp_floor
     r_cap = 2.0 ** -126
     floor_bits = np.float64(sp_floor).view(np.int64)
@@ -465,7 +453,7 @@ def _tiles(kind, a_src, e, n, tile, t0, t1, tiny, sp_scale, sp_floor, th3, has_t
     for t in range(t0, t1):
         i = t * tile
         c = min(tile, n - i)
-        nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, mb, sh, mask, expm, r_sub, r_cap,
+        nb = _tile(a_src, e, i, c, rev, A, E, R, C, DI, r_sub, r_cap,
                    tiny, floor_bits, th3, tol_a, tol_r, lvl1b, lvl5b, mfb, acc, block_sums,
                    i // _BLOCK, has_tol)
         if acc[0] == 0 and acc[9] >= 65536 and nbig + c > bigs.shape[0]:
