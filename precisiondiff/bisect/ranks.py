@@ -246,15 +246,25 @@ def _across_processes(run_dir: "str | Path", options: Dict[str, Any], workload: 
 
 
 def _owners(held: List[List[int]]) -> Dict[int, int]:
-    """rank -> the process that bisects it: of the processes holding its dump, process ``i % W``
-    for the ``i``-th rank when it holds it (every process holds every rank on shared storage),
-    else the first holder."""
+    """rank -> the process that bisects it, one of the processes holding its dump: the ``i``-th
+    rank goes to process ``i % W`` when that one holds it and has no more ranks than the other
+    holders (so with every dump everywhere, process ``i`` bisects ranks ``i, i+W, ...``), else to
+    the holder with the fewest ranks so far (16 ranks on 2 hosts of 8, bisected by 2 processes
+    per host: 4 ranks each, each on the host holding them)."""
     holders: Dict[int, List[int]] = {}
     for process, ranks in enumerate(held):
         for r in ranks:
             holders.setdefault(r, []).append(process)
-    return {r: (i % len(held) if i % len(held) in holders[r] else holders[r][0])
-            for i, r in enumerate(sorted(holders))}
+    load = [0] * len(held)
+    out: Dict[int, int] = {}
+    for i, r in enumerate(sorted(holders)):
+        fewest = min(load[h] for h in holders[r])
+        preferred = i % len(held)
+        owner = preferred if preferred in holders[r] and load[preferred] == fewest else \
+            min(holders[r], key=lambda h: (load[h], h))
+        out[r] = owner
+        load[owner] += 1
+    return out
 
 
 def _shared_out(run_dir: "str | Path", options: Dict[str, Any], workload: Any, group: Any,

@@ -213,6 +213,11 @@ def test_each_rank_goes_to_a_process_that_holds_its_dump():
     assert _owners([[1], [0]]) == {0: 1, 1: 0}
     # a process holding nothing bisects nothing
     assert _owners([[0, 1], []]) == {0: 0, 1: 0}
+    # 16 ranks captured on 2 hosts of 8, bisected by 2 processes per host: 4 ranks each, on their host
+    host_a, host_b = list(range(8)), list(range(8, 16))
+    owners = _owners([host_a, host_a, host_b, host_b])
+    assert all(owners[r] in (0, 1) for r in host_a) and all(owners[r] in (2, 3) for r in host_b)
+    assert sorted(list(owners.values()).count(p) for p in range(4)) == [4, 4, 4, 4]
 
 
 def test_a_broadcast_must_deliver_the_roots_input():
