@@ -112,7 +112,10 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
     if source is None:
         raise BisectError("bisect needs a WORKLOAD, a DUT_DUMP [REF_DUMP] or --script FILE "
                           "(see 'precisiondiff bisect --help')")
-    multi = is_multi_rank(source)
+    from ..compare.parallel import under_torchrun
+    # under torchrun a host may hold none of a multi-rank job's dumps: its process still joins the job
+    multi = is_multi_rank(source) or (under_torchrun() and os.path.isdir(source)
+                                      and not os.path.isfile(os.path.join(source, "meta.json")))
     offline = multi or (os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")))
     if (repro_dir is not None or max_elements is not None or peer is not None or rule != "peer") and (
             multi or script is not None):
@@ -150,7 +153,6 @@ def bisect(source, ref_dump, script_args, target, ref, direction, fmt, out, seed
     if card_path is not None:
         from ..probe.card import load_card
         card = load_card(card_path)
-    from ..compare.parallel import under_torchrun
     distributed = offline and not multi and under_torchrun()
     with _progress() if not distributed or os.environ.get("RANK") == "0" else contextlib.nullcontext() as progress:
         if multi:

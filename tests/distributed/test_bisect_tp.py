@@ -204,6 +204,32 @@ def test_without_shared_storage_each_process_bisects_the_ranks_it_holds(job):
     assert merged["culprit"]["kind"] == "collective" and merged["culprit"]["ranks"] == [0, 1]
 
 
+def test_a_process_whose_host_holds_no_rank_still_joins_the_job(job, tmp_path):
+    """``python -m precisiondiff bisect RUN_DIR`` in the two processes of a job (torchrun's
+    environment), as on two hosts: one holds both ranks' dumps, the other an empty RUN_DIR. The
+    empty one joins instead of failing alone (which would leave the other waiting on the group)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    shutil.copytree(job / "collective", tmp_path / "h0" / "job")
+    (tmp_path / "h1" / "job").mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "precisiondiff", "bisect", "job", "--workload",
+                               f"{WORKER}:run"], cwd=tmp_path / f"h{r}", env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:  # a process left waiting on the group (what this test guards against) is not left behind
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1, outs[0]
+    assert f"culprit: collective {ALL_REDUCE} in fc2" in outs[0][0] and "on 2 ranks" in outs[0][0]
+    assert procs[1].returncode == 0 and not outs[1][0].strip(), outs[1]
+
+
 def test_each_rank_goes_to_a_process_that_holds_its_dump():
     from precisiondiff.bisect.ranks import _owners
     # shared storage: process i of W bisects ranks i, i+W... (as before dumps could lie apart)
