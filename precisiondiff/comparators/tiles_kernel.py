@@ -53,11 +53,14 @@ def compare_range(kind: int, a: np.ndarray, e: np.ndarray, n: int, tile: int, t0
         params: ``(tiny, sp_scale, sp_floor, th3, has_tol, tol_a, tol_r, max_finite, lvl1,
             lvl5)``.
         block_sums: float64 ``(9, blocks)``, written at the tiles' blocks.
-        counts: int64 ``(9,)``, maxes: float64 ``(5,)``, hist: int32 or int64 ``(65536,)``:
-            accumulated.
+        counts: int64 ``(9,)``, maxes: float64 ``(5,)``: accumulated; hist: int32 or int64
+            ``(HIST_SIZE,)``, bins 0 .. 2**16 - 1 accumulated (the rest: the kernel's scratch,
+            zero before and after).
         bigs: int64 room for the large distances (a tile that does not fit goes to the
             PyTorch path); by default as many as the tiles hold, at most ``_MAX_BIG``.
     """
+    if hist.shape[0] < HIST_SIZE:  # the kernel writes its scratch there, unchecked
+        raise ValueError(f"hist holds {hist.shape[0]} bins, the kernel needs {HIST_SIZE}")
     failed = np.empty(max(t1 - t0, 1), dtype=np.int64)
     if bigs is None:
         bigs = np.empty(min(max(t1 - t0, 1) * tile, _MAX_BIG), dtype=np.int64)
@@ -67,6 +70,9 @@ def compare_range(kind: int, a: np.ndarray, e: np.ndarray, n: int, tile: int, t0
     return failed[: out[0]].tolist(), bigs[: out[1]]
 
 
+# the histogram's 2**16 bins and the scan's scratch past them (_tiles_jit: a spare bin and 8
+# interleaved copies of its first 512 bins), left at zero by every call
+HIST_SIZE = (1 << 16) + 1 + 8 * 512
 _MAX_BIG = 1 << 20  # large ULP distances kept per thread; past it, tiles go to the PyTorch path
 _MIN_PER_THREAD = 1 << 20  # elements: below this one thread (starting threads costs ~0.1 ms)
 _MAX_BATCH = 8  # tiles a thread takes at a time, at most (8 * 65536 elements: ~3 ms)
@@ -107,7 +113,7 @@ def run(actual: "torch.Tensor", expected: "torch.Tensor", n: int, tile: int, par
     # int32 counts while no count can reach 2**31: half the histogram's cache footprint (its
     # increments land at random in 65536 bins: float32 distances spread over thousands)
     hdt = np.int32 if n < 1 << 31 else np.int64
-    parts = [(np.zeros(9, dtype=np.int64), np.zeros(5), np.zeros(1 << 16, dtype=hdt))
+    parts = [(np.zeros(9, dtype=np.int64), np.zeros(5), np.zeros(HIST_SIZE, dtype=hdt))
              for _ in range(threads)]
 
     def work(k: int) -> tuple:
@@ -161,7 +167,7 @@ def _compiles(kind: int, a_dtype: np.dtype, params: tuple) -> bool:
         try:
             compare_range(kind, np.zeros(_CHECK, dtype=a_dtype), np.zeros(_CHECK), _CHECK, _CHECK, 0, 1, params,
                           np.zeros((9, 1)), np.zeros(9, dtype=np.int64), np.zeros(5),
-                          np.zeros(1 << 16, dtype=np.int32))
+                          np.zeros(HIST_SIZE, dtype=np.int32))
             _COMPILED[key] = True
         except Exception as err:  # noqa: BLE001 - any failure: the PyTorch path
             _COMPILED[key] = False

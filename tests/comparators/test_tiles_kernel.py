@@ -171,3 +171,68 @@ def test_large_distances_beyond_the_kept_room(monkeypatch, room):
         _assert_bitwise(*_both(a, e))
     finally:
         torch.set_num_threads(threads)
+
+
+def _histogram_seen(a, e, monkeypatch) -> "torch.Tensor":
+    """Every ULP distance the quantile's histogram received from one ``compare_tensors`` call,
+    as a count per distance (the exact bins, the zeros and the large values kept)."""
+    from precisiondiff.comparators import tiles
+    parts = {"counts": [], "zeros": 0, "values": []}
+    add_counts, add_zeros, add = tiles.P99Histogram.add_counts, tiles.P99Histogram.add_zeros, tiles.P99Histogram.add
+
+    def counts(self, b):
+        parts["counts"].append(b.clone())
+        add_counts(self, b)
+
+    def zeros(self, k):
+        parts["zeros"] += k
+        add_zeros(self, k)
+
+    def values(self, d):  # (those below 2**16 reach add_counts from here)
+        d = d.to(torch.int64)
+        parts["values"].append(d[d >= 1 << 16])
+        add(self, d)
+    with monkeypatch.context() as m:
+        m.setattr(tiles.P99Histogram, "add_counts", counts)
+        m.setattr(tiles.P99Histogram, "add_zeros", zeros)
+        m.setattr(tiles.P99Histogram, "add", values)
+        compare_tensors(a, e)
+    seen = torch.zeros(1 << 18, dtype=torch.int64)
+    for b in parts["counts"]:
+        seen[: b.numel()] += b
+    seen[0] += parts["zeros"]
+    for d in parts["values"]:
+        seen += torch.bincount(d, minlength=seen.numel())
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mix", ["bands", "few_small", "all_small"])
+def test_the_histogram_scan_counts_every_distance_band(dtype, mix, monkeypatch):
+    """Distances planted exactly (actual = expected + d ULPs) across every band of the kernel's
+    scan: 0 and 1 (the element pass's counts), the interleaved small bins, their edge, the
+    direct bins, and 2**16 and more (kept as values, float32 only). ``bands``: in random order,
+    so that the bands alternate element by element (the scan without a branch); ``few_small``:
+    1 in 100 below 512 (the branch that predicts); ``all_small``: every one below 512 (no
+    test). Both paths hand the quantile the planted counts."""
+    g = torch.Generator().manual_seed(11)
+    n = 3 * 4096 + 123  # a partial last block: its padding is not a distance
+    top = 200_000 if dtype == torch.float32 else 16_000  # bfloat16: 1.0 + d ULPs stays finite
+    edges = torch.tensor([0, 1, 2, 63, 64, 65, 511, 512, 513, 4095, 65535, 65536, 65537, top])
+    edges = edges[edges < top]
+    d = torch.where(torch.rand(n, generator=g) < 0.5, edges[torch.randint(0, edges.numel(), (n,), generator=g)],
+                    torch.randint(0, top, (n,), generator=g))
+    if mix == "few_small":
+        d = torch.where(torch.rand(n, generator=g) < 0.01, d % 512, d.clamp(min=512))
+    elif mix == "all_small":
+        d = d % 512
+    e = (1.0 + torch.rand(n, generator=g, dtype=torch.float64)).to(dtype)  # representable: rounds to itself
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    a = (e.view(bits).to(torch.int64) + d).to(bits).view(dtype)
+    e = e.to(torch.float64)
+    planted = torch.bincount(d, minlength=1 << 18)
+    fast = _histogram_seen(a, e, monkeypatch)
+    _assert_bitwise(*_both(a, e, fused=True))
+    monkeypatch.setattr(tiles_kernel, "AVAILABLE", False)
+    slow = _histogram_seen(a, e, monkeypatch)
+    assert torch.equal(fast, planted) and torch.equal(slow, planted)
