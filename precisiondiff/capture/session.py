@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from torch import nn
 
 from ..errors import PrecisionDiffError
+from ..runtime.gloo_exit import guard_exit
 from . import compiled, distributed
 from .compiled import ENGINES, CompiledOps
 from .dispatch import HOP_NOTE, OpCaptureMode
@@ -425,6 +426,7 @@ class CaptureSession(ModuleHooks):
         """End a training step: emit parameter gradients, then number events from step+1."""
         if distributed.is_initialized():
             self._layout = distributed.layout()
+            guard_exit()  # gloo's workers idle before the interpreter finalizes (runtime/gloo_exit.py)
         if self.errors:
             self._gather_full()  # agree with the other ranks, which may be gathering
             self.recorder.step += 1

@@ -41,6 +41,7 @@ from ..capture.distributed import process_groups, rank_and_world
 from ..capture.serialize import flatten_tensors
 from ..capture.stats import StatsBatch, copy_to_host
 from ..errors import PrecisionDiffError
+from ..runtime.gloo_exit import guard_exit
 from .log import FIELDS, LOG_FILE, LogWriter
 from .replay import ReplayWindow
 from .shards import shard_fields
@@ -554,6 +555,8 @@ class Watch:
         try:
             for pg in process_groups():
                 self._groups.setdefault(id(pg), pg)
+            if self._groups:
+                guard_exit()  # and gloo's workers idle before the interpreter finalizes (runtime/gloo_exit.py)
         except Exception:  # noqa: BLE001  (never into the training loop; the hold is an aid only)
             pass
 

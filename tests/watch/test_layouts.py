@@ -89,7 +89,16 @@ def _ddp(out, *args):
             code = 0
         stdout.seek(0)
         stderr.seek(0)
-        return subprocess.CompletedProcess(job.args, code, stdout.read(), stderr.read())
+        return subprocess.CompletedProcess(job.args, code, stdout.read(), _ranks_first(stderr.read()))
+
+
+def _ranks_first(stderr: str) -> str:
+    """The job's stderr with torchrun's report of a failed rank (a long traceback of its own)
+    moved to the front and the ranks' own lines after it, so that the ranks' last words ("terminate
+    called ...") are what a failed assertion's tail shows."""
+    lines = stderr.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if "elastic/multiprocessing/api.py" in line), len(lines))
+    return "".join(lines[start:] + lines[:start])
 
 
 def _kill_naming(text: str) -> None:
