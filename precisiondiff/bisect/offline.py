@@ -18,6 +18,7 @@ import torch
 
 from ..errors import BisectError, PrecisionDiffError
 from ..runtime.targets import Target, checked_held
+from ..runtime.gloo_exit import guard_exit
 from .assemble import assemble
 from .engine import DEFAULT_MAX_REPLAY_BYTES, EngineInput, replay_bytes
 from .evidence import finals_of, input_evidence, param_grads_of
@@ -418,6 +419,7 @@ def bisect_dump_distributed(dut_dump: Any, ref_dump: Any = None, **options: Any)
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo")
+        guard_exit()  # gloo's workers idle before the interpreter finalizes (runtime/gloo_exit.py)
     try:
         torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
         result = bisect_dump(dut_dump, ref_dump, distributed=True, **options)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import BisectError, PrecisionDiffError
+from ..runtime.gloo_exit import guard_exit
 from .collectives import (CollectiveUnit, CollectiveVerdict, collect_units, judge_collective, merge_units,
                           rank_collectives, tensor_keys)
 from .offline import bisect_dump
@@ -238,6 +239,7 @@ def _across_processes(run_dir: "str | Path", options: Dict[str, Any], workload: 
     owned = group is None and not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo")
+        guard_exit()  # gloo's workers idle before the interpreter finalizes (runtime/gloo_exit.py)
     try:
         return _shared_out(run_dir, options, workload, group, progress, started)
     finally:

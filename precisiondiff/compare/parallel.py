@@ -13,6 +13,8 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
+from ..runtime.gloo_exit import guard_exit
+
 __all__ = ["compare_ranks_in_pool", "compare_ranks_across_processes", "under_torchrun"]
 
 
@@ -47,6 +49,7 @@ def compare_ranks_across_processes(worker: Callable, a: Any, b: Any, noise: Any,
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo")
+        guard_exit()  # gloo's workers idle before the interpreter finalizes (runtime/gloo_exit.py)
     try:
         me, world = dist.get_rank(), dist.get_world_size()
         mine = [worker(str(a), str(b), str(noise) if noise is not None else None, rank, ref_rank, options)
