@@ -1,7 +1,8 @@
 """runtime/gloo_exit.py: the exit waits while a gloo worker thread runs, not once it sleeps.
 
-The workers are stand-ins: threads of this process given gloo's worker name (``pt_gloo_runloop``),
-which is what the wait reads from /proc. The SIGABRT itself (a starved worker freeing its last work
+The workers are stand-ins: threads of this process given the name the wait looks for in /proc
+(gloo's ``pt_gloo_runloop``, here a name of the test's own, so that the idle gloo threads other
+tests' groups leave in this process, and a joined thread still leaving, are not counted). The SIGABRT itself (a starved worker freeing its last work
 during Py_Finalize) is reproduced by hand in docs/watch.md, "A gloo job's exit"."""
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from precisiondiff.runtime import gloo_exit
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc/self/task (Linux)")
 
 PR_SET_NAME = 15
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_name(monkeypatch):
+    monkeypatch.setattr(gloo_exit, "_WORKER_NAME", f"pd_stand_{os.getpid() % 100000}")
 
 
 def _as_gloo_worker(body):
@@ -33,6 +39,7 @@ def _named_workers() -> int:
 
 
 def test_the_exit_waits_while_a_worker_runs_and_goes_once_it_sleeps():
+    assert _named_workers() == 0
     stop, named = threading.Event(), threading.Event()
 
     def busy():  # a worker still freeing its work: it runs and takes the GIL
@@ -60,7 +67,6 @@ def test_the_exit_waits_while_a_worker_runs_and_goes_once_it_sleeps():
 
 
 def test_without_gloo_workers_the_exit_does_not_wait():
-    assert _named_workers() == 0
     assert gloo_exit.wait_for_idle_gloo_workers(timeout_s=0) is True
 
 
@@ -71,3 +77,33 @@ def test_the_guard_registers_one_exit_handler(monkeypatch):
     gloo_exit.guard_exit()
     gloo_exit.guard_exit()
     assert registered == [gloo_exit.wait_for_idle_gloo_workers]
+
+
+def test_capture_and_watch_guard_the_exit_once_they_see_a_process_group(tmp_path, monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    import precisiondiff
+    from precisiondiff.capture import session as capture_session
+    from precisiondiff.watch import monitor
+
+    calls = []
+    monkeypatch.setattr(capture_session, "guard_exit", lambda: calls.append("capture"))
+    monkeypatch.setattr(monitor, "guard_exit", lambda: calls.append("watch"))
+    model = torch.nn.Linear(4, 2)
+    with precisiondiff.capture(tmp_path / "plain", model=model):
+        model(torch.ones(3, 4)).sum().backward()
+    assert calls == []  # not distributed: nothing to guard
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with precisiondiff.capture(tmp_path / "dist", model=model):
+            model(torch.ones(3, 4)).sum().backward()
+        assert "capture" in calls
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with precisiondiff.watch(tmp_path / "w", model=model, optimizer=opt) as w:
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            w.step()
+        assert "watch" in calls
+    finally:
+        dist.destroy_process_group()

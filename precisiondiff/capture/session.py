@@ -206,6 +206,8 @@ class CaptureSession(ModuleHooks):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "CaptureSession":
+        if distributed.is_initialized():
+            guard_exit()  # gloo's workers idle before the interpreter finalizes (runtime/gloo_exit.py)
         # A script runs a training loop: every key carries its step. The Python API's first step
         # stays plain until .step() is called (docs/capture.md); an explicit selection decides.
         if self.filter.steps is not None:
@@ -275,6 +277,8 @@ class CaptureSession(ModuleHooks):
         if note is not None:
             # groups created during the run (a script may destroy them before capture ends)
             fields: Dict[str, Any] = distributed.layout()
+            if "groups" in fields:
+                guard_exit()
             if "groups" not in fields:
                 fields.update(self._layout)
             if self.errors:
