@@ -15,10 +15,14 @@ every ratio compares steps measured side by side in the same process:
   out low-risk APIs (views, casts, clone...), so it records fewer events than op level here;
 - DebugMode: ``with DebugMode(record_nn_module=True), DebugMode.log_tensor_hashes(hash_inputs=True)``
   (every ATen op with an L1-norm hash of its inputs and outputs, and module boundaries);
-- "pd mem": precisiondiff's capture into a ``MemorySink`` (no dump writer): what the writer costs.
+- "pd mem": precisiondiff's capture into a ``MemorySink`` (no dump writer): what the writer costs;
+- "pd steps": one precisiondiff session open across all the steps, ``session.step()`` after each
+  captured one and the plain ones run ``session.suspended()``: the use that matches msprobe's
+  (one debugger, hooks installed once); the "pd" column enters and closes a session per step.
 
 Prints overhead = instrumented / plain - 1 per tool and the ratio of precisiondiff's overhead to
-msprobe's at the matching level and mode (goal <= 0.2) and to DebugMode's (goal < 1).
+msprobe's at the matching level and mode (goal <= 0.2; "steps/ms" for the session across steps) and
+to DebugMode's (goal < 1).
 """
 from __future__ import annotations
 
@@ -93,11 +97,11 @@ def build(name: str):
     return model, step
 
 
-def _pairs(step, instrumented, repeats: int):
+def _pairs(step, instrumented, repeats: int, plain_step=None):
     plain, inst = [], []
     for rep in range(repeats + 2):
         t0 = CLOCK()
-        step()
+        (plain_step or step)()
         t1 = CLOCK()
         instrumented(rep)
         t2 = CLOCK()
@@ -112,7 +116,22 @@ def worker(model_name: str, tool: str, level: str, mode: str, repeats: int) -> d
     torch.set_num_threads(1)
     model, step = build(model_name)
     tmp = tempfile.mkdtemp(prefix="pdbench-")
-    if tool in ("precisiondiff", "pd-memory"):
+    plain_step, session = None, None
+    if tool == "pd-steps":
+        import precisiondiff
+        # one session across the steps, as msprobe's debugger is used: a plain step runs with the
+        # session suspended (its hooks installed, nothing recorded), as msprobe's run after stop()
+        session = precisiondiff.capture(os.path.join(tmp, "pd"), model=model, level=level, mode=mode,
+                                        overwrite=True).__enter__()
+
+        def plain_step():
+            with session.suspended():
+                step()
+
+        def inst(rep):
+            step()
+            session.step()
+    elif tool in ("precisiondiff", "pd-memory"):
         import precisiondiff
 
         def inst(rep):
@@ -147,7 +166,9 @@ def worker(model_name: str, tool: str, level: str, mode: str, repeats: int) -> d
             debugger.step()
     else:
         raise SystemExit(f"unknown tool {tool}")
-    p, c = _pairs(step, inst, repeats)
+    p, c = _pairs(step, inst, repeats, plain_step)
+    if session is not None:
+        session.__exit__(None, None, None)
     return {"model": model_name, "tool": tool, "level": level, "mode": mode, "plain_ms": p * 1e3,
             "inst_ms": c * 1e3, "overhead": c / p - 1}
 
@@ -187,8 +208,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, one thread, CPU float32; overhead = instrumented / plain - 1 "
           f"(median of {args.repeats} interleaved pairs); clock {args.clock}; load average "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'model':<7} {'level/mode':<14} {'plain ms':>9} {'pd':>7} {'pd mem':>7} {'msprobe':>8} "
-          f"{'DebugMode':>10} {'pd/msprobe':>11} {'pd/DebugMode':>13}" + (f" {'pd before':>10}" if args.baseline else ""))
+    print(f"{'model':<7} {'level/mode':<14} {'plain ms':>9} {'pd':>7} {'pd mem':>7} {'pd steps':>9} {'msprobe':>8} "
+          f"{'DebugMode':>10} {'pd/msprobe':>11} {'steps/ms':>9} {'pd/DebugMode':>13}"
+          + (f" {'pd before':>10}" if args.baseline else ""))
     configs = PD_CONFIGS if not args.configs else [tuple(c.split("/")) for c in args.configs.split(",")]
     for model in args.models.split(","):
         dm = _run_worker(args, model, "debugmode", "op", "stats")
@@ -197,13 +219,15 @@ def main() -> None:
                 continue  # ~0.5 GB of dump per step: disk-bound, not measured here
             pd = _run_worker(args, model, "precisiondiff", level, mode)
             mem = _run_worker(args, model, "pd-memory", level, mode)
+            steps = _run_worker(args, model, "pd-steps", level, mode)
             ms = None if args.no_msprobe else _run_worker(args, model, "msprobe", level, mode)
             f = lambda r: f"{r['overhead']:.2f}" if r else "-"  # noqa: E731
             ratio = lambda a, b: f"{a['overhead'] / b['overhead']:.2f}" if a and b and b["overhead"] > 0 else "-"  # noqa: E731
             dmc = dm if level == "op" and mode == "stats" else None
             before = _run_worker(args, model, "precisiondiff", level, mode, args.baseline) if args.baseline else None
             print(f"{model:<7} {level + '/' + mode:<14} {pd['plain_ms'] if pd else float('nan'):9.2f} "
-                  f"{f(pd):>7} {f(mem):>7} {f(ms):>8} {f(dmc):>10} {ratio(pd, ms):>11} {ratio(pd, dmc):>13}"
+                  f"{f(pd):>7} {f(mem):>7} {f(steps):>9} {f(ms):>8} {f(dmc):>10} {ratio(pd, ms):>11} "
+                  f"{ratio(steps, ms):>9} {ratio(pd, dmc):>13}"
                   + (f" {f(before):>10}" if args.baseline else ""), flush=True)
 
 
