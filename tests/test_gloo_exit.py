@@ -2,13 +2,14 @@
 
 The workers are stand-ins: threads of this process given the name the wait looks for in /proc
 (gloo's ``pt_gloo_runloop``, here a name of the test's own, so that the idle gloo threads other
-tests' groups leave in this process, and a joined thread still leaving, are not counted). The SIGABRT itself (a starved worker freeing its last work
+tests' groups leave in this process, and another test's threads, are not counted). The SIGABRT itself (a starved worker freeing its last work
 during Py_Finalize) is reproduced by hand in docs/watch.md, "A gloo job's exit"."""
 from __future__ import annotations
 
 import ctypes
 import os
 import threading
+import uuid
 
 import pytest
 
@@ -21,7 +22,8 @@ PR_SET_NAME = 15
 
 @pytest.fixture(autouse=True)
 def _stand_in_name(monkeypatch):
-    monkeypatch.setattr(gloo_exit, "_WORKER_NAME", f"pd_stand_{os.getpid() % 100000}")
+    # one name a test: a joined thread's /proc entry can outlive join() for a moment
+    monkeypatch.setattr(gloo_exit, "_WORKER_NAME", f"pd_{uuid.uuid4().hex[:10]}")
 
 
 def _as_gloo_worker(body):
