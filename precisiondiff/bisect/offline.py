@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..errors import BisectError, PrecisionDiffError
-from ..runtime.targets import Target, checked_held
 from ..runtime.gloo_exit import guard_exit
+from ..runtime.targets import Target, checked_held
 from .assemble import assemble
 from .engine import DEFAULT_MAX_REPLAY_BYTES, EngineInput, replay_bytes
 from .evidence import finals_of, input_evidence, param_grads_of

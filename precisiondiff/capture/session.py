@@ -279,7 +279,7 @@ class CaptureSession(ModuleHooks):
             fields: Dict[str, Any] = distributed.layout()
             if "groups" in fields:
                 guard_exit()
-            if "groups" not in fields:
+            else:
                 fields.update(self._layout)
             if self.errors:
                 fields["capture_errors"] = list(self.errors)

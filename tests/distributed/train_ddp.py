@@ -16,6 +16,8 @@ parser.add_argument("--die-at", type=int, default=-1)
 args = parser.parse_args()
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
+from precisiondiff.runtime.gloo_exit import guard_exit  # noqa: E402
+guard_exit()  # a plain gloo run has no precisiondiff session to guard its exit (docs/watch.md, "A gloo job's exit")
 torch.manual_seed(0)
 model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -32,6 +32,8 @@ args = parser.parse_args()
 torch.set_num_threads(1)
 if not dist.is_initialized():  # the test job runs it inside its own group
     dist.init_process_group("gloo")
+from precisiondiff.runtime.gloo_exit import guard_exit  # noqa: E402
+guard_exit()  # a plain gloo run has no precisiondiff session to guard its exit (docs/watch.md, "A gloo job's exit")
 rank, world = dist.get_rank(), dist.get_world_size()
 size = args.tp or world
 if size != world:  # every rank creates every group, in the same order

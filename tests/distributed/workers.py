@@ -179,6 +179,8 @@ def run(rank: int, world: int, port: int, out: str, names: "list[str]") -> None:
     torch.set_num_threads(1)
     # a hang (collectives issued in different orders) fails the test instead of blocking CI
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    from precisiondiff.runtime.gloo_exit import guard_exit
+    guard_exit()  # a plain gloo run has no precisiondiff session to guard its exit (docs/watch.md, "A gloo job's exit")
     try:
         for name in names:
             SCENARIOS[name](out, rank)

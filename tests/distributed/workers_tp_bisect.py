@@ -223,6 +223,8 @@ def run(rank: int, world: int, port: int, out: str, scenarios: "list[str]") -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from precisiondiff.runtime.gloo_exit import guard_exit
+    guard_exit()  # a plain gloo run has no precisiondiff session to guard its exit (docs/watch.md, "A gloo job's exit")
     try:
         for name in scenarios:
             SLOPPY_GEMM = name == "kernel" and rank == 1

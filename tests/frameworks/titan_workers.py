@@ -64,6 +64,8 @@ def run(rank: int, world: int, port: int, out: str, names: list) -> None:
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from precisiondiff.runtime.gloo_exit import guard_exit
+    guard_exit()  # a plain gloo run has no precisiondiff session to guard its exit (docs/watch.md, "A gloo job's exit")
     try:
         for name in names:
             if name == "watch":

@@ -52,6 +52,8 @@ class Tiny(L.LightningModule):
 
 
 def main() -> None:
+    from precisiondiff.runtime.gloo_exit import guard_exit
+    guard_exit()  # a plain gloo run has no precisiondiff session to guard its exit (docs/watch.md, "A gloo job's exit")
     parser = argparse.ArgumentParser()
     parser.add_argument("--capture", default=None)
     parser.add_argument("--mode", default="stats")

@@ -21,6 +21,8 @@ def main() -> None:
     parser.add_argument("--broken-from", type=int, default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    from precisiondiff.runtime.gloo_exit import guard_exit
+    guard_exit()  # a plain gloo run has no precisiondiff session to guard its exit (docs/watch.md, "A gloo job's exit")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, _, tokens = train.build(dtype=getattr(torch, args.dtype), gelu_op=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
