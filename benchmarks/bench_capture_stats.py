@@ -7,7 +7,10 @@ the tensor's bytes, measured side by side in one run, the paths interleaved in e
 table gives the median over ``--repeats`` of the thread's CPU time (what one core does, less
 sensitive to other jobs sharing the machine), then the wall-time median. "eager" is the fallback
 when numba is missing: min/max, mean, |x| mean, norm, NaN/Inf counts and the fingerprint in
-separate PyTorch passes. Also the cost of one tiny (64-element) tensor through each path, and
+separate PyTorch passes. "msprobe" is what msprobe's statistics dump computes per tensor (its
+``get_stat_info``: ``torch.max``, ``min``, ``mean`` and ``norm``, four PyTorch passes without NaN/Inf
+counts or a fingerprint): "fused/msprobe" is the floor of the ratio of capture overheads where
+large tensors' statistics dominate (docs/performance.md, "Against msprobe"). Also the cost of one tiny (64-element) tensor through each path, and
 the load average seen. ``--loops``: each loop of the fused kernel alone over the same tensor,
 block by block (where its time goes), next to the whole kernel.
 """
@@ -55,6 +58,10 @@ def _interleaved(fns: dict, repeats: int) -> dict:
 def _stats(t: torch.Tensor, fast: bool) -> None:
     batch = StatsBatch(fast=fast)
     batch.get(batch.add(t)) if fast else (batch.add(t), batch.resolve())
+
+
+def _msprobe_stats(t: torch.Tensor) -> None:
+    torch.max(t), torch.min(t), torch.mean(t), torch.norm(t)
 
 
 def _loop_profile(t: torch.Tensor, repeats: int) -> str:
@@ -113,28 +120,29 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     print("GB/s: median of the thread's CPU time (median of wall time)")
     print(f"{'dtype':>9} {'copy GB/s':>14} {'fused GB/s':>14} {'eager GB/s':>14} {'fused/eager':>12} "
-          f"{'fused/copy':>11} {'tiny fused us':>14} {'tiny eager us':>14}")
+          f"{'fused/copy':>11} {'msprobe GB/s':>14} {'fused/msprobe':>14} {'tiny fused us':>14} {'tiny eager us':>14}")
     loops = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         n = (args.mib << 20) // dtype.itemsize
         t = torch.randn(n).to(dtype)
         dst = torch.empty_like(t)
         nbytes = n * dtype.itemsize
-        fns = {"copy": lambda: dst.copy_(t), "eager": lambda: _stats(t, False)}
+        fns = {"copy": lambda: dst.copy_(t), "eager": lambda: _stats(t, False), "msprobe": lambda: _msprobe_stats(t)}
         if stats_kernel.AVAILABLE:
             fns["fused"] = lambda: _stats(t, True)
         times = _interleaved(fns, args.repeats)
         nan = (float("nan"), float("nan"))
-        cpu = {name: times.get(name, nan)[0] for name in ("copy", "fused", "eager")}
+        cpu = {name: times.get(name, nan)[0] for name in ("copy", "fused", "eager", "msprobe")}
         gb = {name: (nbytes / c / 1e9, nbytes / w / 1e9) for name, (c, w) in
-              ((k, times.get(k, nan)) for k in ("copy", "fused", "eager"))}
+              ((k, times.get(k, nan)) for k in ("copy", "fused", "eager", "msprobe"))}
         tiny = torch.randn(64).to(dtype)
         k = 2000
         tiny_fused = _best(lambda: [_stats(tiny, True) for _ in range(k)], 2) / k * 1e6
         tiny_eager = _best(lambda: [_stats(tiny, False) for _ in range(k)], 2) / k * 1e6
         cell = lambda name: f"{gb[name][0]:6.2f} ({gb[name][1]:5.2f})"  # noqa: E731
         print(f"{str(dtype)[6:]:>9} {cell('copy'):>14} {cell('fused'):>14} {cell('eager'):>14} "
-              f"{cpu['eager'] / cpu['fused']:12.1f} {cpu['copy'] / cpu['fused']:11.2f} {tiny_fused:14.1f} "
+              f"{cpu['eager'] / cpu['fused']:12.1f} {cpu['copy'] / cpu['fused']:11.2f} {cell('msprobe'):>14} "
+              f"{cpu['fused'] / cpu['msprobe']:14.2f} {tiny_fused:14.1f} "
               f"{tiny_eager:14.1f}", flush=True)
         if args.loops and stats_kernel.AVAILABLE:
             loops.append(f"{str(dtype)[6:]:>9}  {_loop_profile(t, args.repeats)}")
