@@ -10,8 +10,9 @@ when numba is missing: min/max, mean, |x| mean, norm, NaN/Inf counts and the fin
 separate PyTorch passes. "msprobe" is what msprobe's statistics dump computes per tensor (its
 ``get_stat_info``: ``torch.max``, ``min``, ``mean`` and ``norm``, four PyTorch passes without NaN/Inf
 counts or a fingerprint): "fused/msprobe" is the floor of the ratio of capture overheads where
-large tensors' statistics dominate (docs/performance.md, "Against msprobe"). Also the cost of one tiny (64-element) tensor through each path, and
-the load average seen. ``--loops``: each loop of the fused kernel alone over the same tensor,
+large tensors' statistics dominate (docs/performance.md, "Where issue 22's capture-floor goals
+stand"). Also the cost of one tiny (64-element) tensor through each path, and the load average
+seen. ``--loops``: each loop of the fused kernel alone over the same tensor,
 block by block (where its time goes), next to the whole kernel.
 """
 from __future__ import annotations
